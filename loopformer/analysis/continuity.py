@@ -1,0 +1,373 @@
+"""Continuity of a trained model: how far the output embeddings move per unit of input perturbation.
+
+The paper bounds the approximation error of a looped transformer by three moduli of continuity of the target map
+f: R^{d×N} -> R^{d×N} (Sec. 3.2, Definitions 3.3-3.5):
+
+    sequence    ω_f(δ)      = sup { ||f(X) - f(X')||            : ||X - X'|| <= δ }
+    contextual  ω_f^cont(δ) = sup { ||f(X)_{:,n} - f(X')_{:,n}|| : ||X - X'|| <= δ, X_{:,n} = X'_{:,n} }
+    token       ω_f^tok(δ)  = sup { ||f(X)_{:,n} - f(X')_{:,n}|| : ||X_{:,n} - X'_{:,n}|| <= δ, X_{:,q} = X'_{:,q}, q ≠ n }
+
+and App. D (with the authors' answer to reviewers) measures "continuity coefficients" of language models trained on
+a perturbed WikiText-103 (10 % of the tokens replaced, `loopformer.text.corpus.perturb_tokens`): perturb the input
+embeddings, measure the change of the output embeddings; timestep encoding cut it from 130.6 to 21.5.
+
+Here X is the model's input embedding sequence (the read-in L1: token + position embedding, which input injection
+re-adds at every loop) and f(X) the output embedding sequence (the residual stream after the last loop, before the
+final norm and the head; `output="normed"` takes it after the final norm). For sample windows X of a corpus this
+estimates the ratios ||Δf|| / ||ΔX|| — lower bounds of ω(δ)/δ at δ = ||ΔX|| — for
+
+    noise          Gaussian noise of relative scale ρ (per-coordinate std ρ·RMS(X)):
+                   sequence (every position), token (position n only, read at n),
+                   contextual (every position but n = T-1, read at n)
+    substitution   one token replaced by another (ΔX = embedding difference at n):
+                   token (read at n), contextual (largest change at any other position), sequence (all)
+    jacobian       the local Lipschitz constant ||∂f/∂X||_2 at X (power iteration with forward- and reverse-mode
+                   products): the supremum of the sequence ratio as δ -> 0, i.e. the slope of ω_f at 0
+
+Each is reported as mean / median / max over the samples, as a markdown table and a PNG plot.
+Shapes: B samples, T window length, D width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from loopformer.errors import UserError
+from loopformer.text.corpus import perturb_tokens  # noqa: F401  (the perturbed corpus lives with the corpora)
+
+KINDS = ("sequence", "token", "contextual")
+
+
+# ---------------------------------------------------------------------------------------------------- model adapters
+class EmbeddingMap:
+    """What the measurement needs: `embed(idx [B,T]) -> X [B,T,D]` and `apply(X) -> f(X) [B,T,D']`."""
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply(self, X: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LoopedEmbeddingMap(EmbeddingMap):
+    """A `LoopedTransformer` seen as X -> f(X): the read-in's output is replaced by X through a forward hook, so
+    input injection and every loop see the perturbed embeddings exactly as they would see real ones."""
+
+    def __init__(self, model, loops: Optional[int] = None, output: str = "hidden"):
+        if output not in ("hidden", "normed"):
+            raise UserError(f"output must be 'hidden' or 'normed' (got {output!r})")
+        self.model = model.eval()
+        self.loops = loops
+        self.output = output
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(idx)
+
+    def apply(self, X: torch.Tensor) -> torch.Tensor:
+        handle = self.model.embed.register_forward_hook(lambda mod, inp, out: X)
+        try:
+            dummy = torch.zeros(X.shape[:2], dtype=torch.long, device=X.device)
+            kw = {} if self.loops is None else {"loops": self.loops}
+            out = self.model(dummy, **kw)
+        finally:
+            handle.remove()
+        return self.model.norm_f(out.hidden) if self.output == "normed" else out.hidden
+
+
+# ------------------------------------------------------------------------------------------------------ measurement
+@dataclass
+class ContinuityConfig:
+    samples: int = 16                      # B windows
+    length: int = 128                      # T tokens per window
+    scales: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)   # relative noise scales ρ
+    power_iters: int = 20                  # Jacobian power iteration steps (0: skip)
+    seed: int = 0
+    protect: Optional[int] = None          # a token id never substituted in or out (EOT)
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.length < 2:
+            raise UserError("continuity needs samples >= 1 and length >= 2")
+        if not self.scales or any(s <= 0 for s in self.scales):
+            raise UserError("noise scales must be positive")
+        if self.power_iters < 0:
+            raise UserError("power_iters must be >= 0")
+
+
+@dataclass
+class Stat:
+    mean: float
+    median: float
+    max: float
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> "Stat":
+        x = np.asarray(x, dtype=np.float64)
+        return cls(float(x.mean()), float(np.median(x)), float(x.max()))
+
+
+@dataclass
+class ContinuityReport:
+    noise: dict[str, dict[str, Stat]] = field(default_factory=dict)   # "1e-2" -> kind -> Stat
+    substitution: dict[str, Stat] = field(default_factory=dict)       # kind -> Stat
+    jacobian: Optional[Stat] = None
+    input_rms: float = 0.0
+    samples: int = 0
+    length: int = 0
+    raw: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+    @property
+    def coefficient(self) -> float:
+        """The headline continuity coefficient: the mean local Lipschitz constant (or, without it, the mean
+        sequence ratio at the smallest noise scale)."""
+        if self.jacobian is not None:
+            return self.jacobian.mean
+        first = min(self.noise, key=float)
+        return self.noise[first]["sequence"].mean
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("raw")
+        d["coefficient"] = self.coefficient
+        return d
+
+
+def _norm(x: torch.Tensor, dims) -> torch.Tensor:
+    return x.double().pow(2).sum(dims).sqrt()
+
+
+def _scale_key(s: float) -> str:
+    return f"{s:g}"
+
+
+@torch.no_grad()
+def noise_ratios(fmap: EmbeddingMap, X: torch.Tensor, rho: float, gen: torch.Generator,
+                 positions: torch.Tensor) -> dict[str, np.ndarray]:
+    """Ratios [B] for Gaussian noise of per-coordinate std `rho` (absolute) on X [B,T,D]; `positions` [B] = n."""
+    B, T, D = X.shape
+    ar = torch.arange(B, device=X.device)
+    f0 = fmap.apply(X)                                                                # [B,T,D']
+    out: dict[str, np.ndarray] = {}
+    # sequence: every position
+    d = torch.randn(X.shape, generator=gen, device=X.device, dtype=X.dtype) * rho
+    df = fmap.apply(X + d) - f0
+    out["sequence"] = (_norm(df, (1, 2)) / _norm(d, (1, 2))).cpu().numpy()
+    # token: only position n, read at n
+    d = torch.zeros_like(X)
+    d[ar, positions] = torch.randn(B, D, generator=gen, device=X.device, dtype=X.dtype) * rho
+    df = fmap.apply(X + d) - f0
+    out["token"] = (_norm(df[ar, positions], (1,)) / _norm(d[ar, positions], (1,))).cpu().numpy()
+    # contextual: every position but the last, read at the last
+    d = torch.randn(X.shape, generator=gen, device=X.device, dtype=X.dtype) * rho
+    d[:, -1] = 0
+    df = fmap.apply(X + d) - f0
+    out["contextual"] = (_norm(df[:, -1], (1,)) / _norm(d, (1, 2))).cpu().numpy()
+    return out
+
+
+@torch.no_grad()
+def substitution_ratios(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int, positions: torch.Tensor,
+                        rng: np.random.Generator, protect: Optional[int] = None) -> dict[str, np.ndarray]:
+    """Replace token n of each row by a different random token; ratios [B] of output change to embedding change."""
+    B, T = idx.shape
+    ar = torch.arange(B, device=idx.device)
+    old = idx[ar, positions].cpu().numpy()
+    excluded = [old] + ([np.full_like(old, protect)] if protect is not None else [])
+    new = rng.integers(0, vocab_size, size=B)
+    bad = np.zeros(B, dtype=bool)
+    for e in excluded:
+        bad |= new == e
+    while bad.any():  # redraw the few collisions (uniform over the allowed tokens)
+        new[bad] = rng.integers(0, vocab_size, size=int(bad.sum()))
+        bad[:] = False
+        for e in excluded:
+            bad |= new == e
+    idx2 = idx.clone()
+    idx2[ar, positions] = torch.as_tensor(new, device=idx.device, dtype=idx.dtype)
+    X, X2 = fmap.embed(idx), fmap.embed(idx2)
+    dX = _norm((X2 - X)[ar, positions], (1,))                                        # [B]
+    df = fmap.apply(X2) - fmap.apply(X)                                              # [B,T,D']
+    per_pos = _norm(df, (2,))                                                        # [B,T]
+    tok = per_pos[ar, positions]
+    others = per_pos.clone()
+    others[ar, positions] = 0
+    return {"token": (tok / dX).cpu().numpy(),
+            "contextual": (others.max(1).values / dX).cpu().numpy(),
+            "sequence": (_norm(df, (1, 2)) / dX).cpu().numpy()}
+
+
+def jacobian_norm(fmap: EmbeddingMap, X: torch.Tensor, iters: int = 20, seed: int = 0) -> np.ndarray:
+    """||∂f/∂X||_2 per sample [B] by power iteration on JᵀJ (samples are independent, so J is block diagonal).
+
+    Forward-mode (J v) and reverse-mode (Jᵀ u) products run under the math attention kernel, which supports both.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device=X.device).manual_seed(seed)
+    X = X.detach()
+    v = torch.randn(X.shape, generator=gen, device=X.device, dtype=X.dtype)
+    v = v / _norm(v, (1, 2)).to(X.dtype)[:, None, None]
+    sigma = torch.zeros(X.shape[0], dtype=torch.float64, device=X.device)
+    with sdpa_kernel(SDPBackend.MATH):
+        _, vjp_fn = torch.func.vjp(fmap.apply, X)
+        for _ in range(max(1, iters)):
+            _, jv = torch.func.jvp(fmap.apply, (X,), (v,))                             # [B,T,D']
+            sigma = _norm(jv, (1, 2))                                                  # ||J v|| with ||v|| = 1
+            (w,) = vjp_fn(jv.detach())                                                 # Jᵀ J v
+            v = (w / _norm(w, (1, 2)).clamp(min=1e-300).to(X.dtype)[:, None, None]).detach()
+    return sigma.cpu().numpy()
+
+
+def measure_continuity(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int,
+                       cfg: Optional[ContinuityConfig] = None, progress: bool = True) -> ContinuityReport:
+    """All estimates on the sample windows `idx` [B,T]; see the module docstring."""
+    cfg = cfg or ContinuityConfig()
+    B, T = idx.shape
+    rng = np.random.default_rng(cfg.seed)
+    gen = torch.Generator(device=idx.device).manual_seed(int(rng.integers(2 ** 62)))
+    positions = torch.as_tensor(rng.integers(0, T, size=B), device=idx.device)
+    with torch.no_grad():
+        X = fmap.embed(idx).detach()
+    rms = float(X.double().pow(2).mean().sqrt())
+    rep = ContinuityReport(input_rms=rms, samples=B, length=T)
+    steps = len(cfg.scales) + 1 + (1 if cfg.power_iters else 0)
+    with tqdm(total=steps, desc="continuity", disable=not progress) as bar:
+        for s in cfg.scales:
+            r = noise_ratios(fmap, X, s * rms, gen, positions)
+            rep.noise[_scale_key(s)] = {k: Stat.of(v) for k, v in r.items()}
+            rep.raw.update({f"noise {_scale_key(s)} {k}": v.tolist() for k, v in r.items()})
+            bar.update(1)
+        r = substitution_ratios(fmap, idx, vocab_size, positions, rng, cfg.protect)
+        rep.substitution = {k: Stat.of(v) for k, v in r.items()}
+        rep.raw.update({f"substitution {k}": v.tolist() for k, v in r.items()})
+        bar.update(1)
+        if cfg.power_iters:
+            j = jacobian_norm(fmap, X, cfg.power_iters, seed=cfg.seed)
+            rep.jacobian = Stat.of(j)
+            rep.raw["jacobian"] = j.tolist()
+            bar.update(1)
+    return rep
+
+
+def sample_windows(tokens: np.ndarray, samples: int, length: int, seed: int) -> torch.Tensor:
+    """`samples` windows of `length` tokens at seeded random offsets: [B,T] int64."""
+    if len(tokens) < length:
+        raise UserError(f"the split has {len(tokens)} tokens, fewer than the window length {length}")
+    rng = np.random.default_rng([seed, 1])
+    starts = rng.integers(0, len(tokens) - length + 1, size=samples)
+    return torch.from_numpy(np.stack([np.asarray(tokens[s:s + length], dtype=np.int64) for s in starts]))
+
+
+# ---------------------------------------------------------------------------------------------------------- reports
+def _fmt(x: float) -> str:
+    if x == 0 or (1e-3 <= abs(x) < 1e4):
+        return f"{x:.4g}"
+    return f"{x:.3e}"
+
+
+def to_markdown(reports: dict[str, ContinuityReport]) -> str:
+    """One table: rows are measurements, columns 'mean / max' per model."""
+    names = list(reports)
+    head = "| measurement | " + " | ".join(f"{n} (mean / max)" for n in names) + " |"
+    sep = "|---|" + "---|" * len(names)
+    rows = [head, sep]
+
+    def row(label: str, get: Callable[[ContinuityReport], Optional[Stat]]) -> None:
+        cells = []
+        for n in names:
+            st = get(reports[n])
+            cells.append("—" if st is None else f"{_fmt(st.mean)} / {_fmt(st.max)}")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    first = reports[names[0]]
+    row("**local Lipschitz ‖∂f/∂X‖₂**", lambda r: r.jacobian)
+    for s in first.noise:
+        for k in KINDS:
+            row(f"noise ρ={s} · {k}", lambda r, s=s, k=k: r.noise.get(s, {}).get(k))
+    for k in KINDS:
+        row(f"substitution · {k}", lambda r, k=k: r.substitution.get(k))
+    rows.append("")
+    rows.append(f"Ratios ‖Δf‖/‖ΔX‖ over {first.samples} windows of {first.length} tokens; X = input embeddings "
+                f"(RMS {', '.join(_fmt(reports[n].input_rms) for n in names)}), f = output embeddings; noise std "
+                "= ρ·RMS(X). Continuity coefficient (mean local Lipschitz): "
+                + ", ".join(f"{n} {_fmt(reports[n].coefficient)}" for n in names) + ".")
+    return "\n".join(rows) + "\n"
+
+
+def plot(reports: dict[str, ContinuityReport], path: str | os.PathLike) -> None:
+    """Ratio against noise scale, one panel per modulus; substitution as a marker, Lipschitz as a dotted line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, kind in zip(axes, KINDS):
+        for i, (name, rep) in enumerate(reports.items()):
+            c = colors[i % len(colors)]
+            xs = sorted(rep.noise, key=float)
+            ax.plot([float(s) for s in xs], [rep.noise[s][kind].mean for s in xs], "o-", color=c, label=name)
+            ax.plot([float(s) for s in xs], [rep.noise[s][kind].max for s in xs], "o:", color=c, alpha=0.4)
+            if kind in rep.substitution:
+                ax.axhline(rep.substitution[kind].mean, color=c, ls="--", lw=1, alpha=0.7)
+            if kind == "sequence" and rep.jacobian is not None:
+                ax.axhline(rep.jacobian.mean, color=c, ls=":", lw=1.5)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("relative noise scale ρ")
+        ax.set_title(f"{kind} continuity")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("‖Δf‖ / ‖ΔX‖  (solid: mean, dotted: max)")
+    axes[0].legend(fontsize=8, title="dashed: substitution; dotted line: ‖J‖₂", title_fontsize=7)
+    fig.tight_layout()
+    _savefig(fig, path)
+    plt.close(fig)
+
+
+def _savefig(fig, path: str | os.PathLike) -> None:
+    path = os.fspath(path)
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def write_json(reports: dict[str, ContinuityReport], path: str | os.PathLike, extra: Optional[dict] = None) -> None:
+    path = os.fspath(path)
+    data = {"models": {n: r.to_dict() for n, r in reports.items()}, **(extra or {})}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=lambda o: o if not isinstance(o, float) or math.isfinite(o) else None)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_text(text: str, path: str | os.PathLike) -> None:
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def continuity_of_checkpoint(model, tokens: np.ndarray, vocab_size: int, cfg: ContinuityConfig,
+                             loops: Optional[int] = None, output: str = "hidden",
+                             progress: bool = True) -> ContinuityReport:
+    """Measure a `LoopedTransformer` on windows of a token split."""
+    T = min(cfg.length, model.config.max_len) if model.config.pos == "learned" else cfg.length
+    idx = sample_windows(tokens, cfg.samples, T, cfg.seed)
+    device = next(model.parameters()).device
+    return measure_continuity(LoopedEmbeddingMap(model, loops, output), idx.to(device), vocab_size, cfg,
+                              progress=progress)
+
+
+__all__ = ["EmbeddingMap", "LoopedEmbeddingMap", "ContinuityConfig", "ContinuityReport", "Stat", "noise_ratios",
+           "substitution_ratios", "jacobian_norm", "measure_continuity", "sample_windows", "to_markdown", "plot",
+           "write_json", "continuity_of_checkpoint", "perturb_tokens", "Sequence"]

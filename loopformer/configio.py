@@ -1,0 +1,78 @@
+"""Typed configuration loading: YAML files plus dotted overrides into validated dataclasses.
+
+Every config in loopformer is a (possibly nested) dataclass whose `__post_init__` validates its values. This module
+uses OmegaConf to merge a YAML file and `key=value` overrides onto the dataclass schema, so unknown keys and values
+of the wrong type are rejected with the offending key named, and then builds the dataclass (running its checks).
+All failures surface as one-line `UserError`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterable, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from loopformer.errors import UserError
+
+T = TypeVar("T")
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    first = msg[0] if msg else type(exc).__name__
+    # OmegaConf appends "full_key: ..." lines; keep the key, it is the most useful part.
+    for line in msg[1:]:
+        line = line.strip()
+        if line.startswith("full_key:") and line != "full_key:":
+            return f"{first} ({line})"
+    return first
+
+
+def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: Iterable[str] = (),
+                base: dict | None = None) -> T:
+    """Build `cls` from defaults, then `base` (a dict), then the YAML file at `path`, then dotted `overrides`.
+
+    >>> from loopformer.model.config import ModelConfig
+    >>> load_config(ModelConfig, overrides=["loops=8", "timestep=true"]).loops
+    8
+    """
+    try:
+        schema = OmegaConf.structured(cls)
+        layers = [schema]
+        if base:
+            layers.append(OmegaConf.create(base))
+        if path is not None:
+            if not os.path.isfile(path):
+                raise UserError(f"config file not found: {path}")
+            try:
+                layers.append(OmegaConf.load(path))
+            except Exception as exc:  # yaml errors
+                raise UserError(f"cannot parse config {path}: {_one_line(exc)}") from None
+        overrides = list(overrides)
+        for ov in overrides:
+            if "=" not in ov:
+                raise UserError(f"override {ov!r} is not of the form key=value")
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(*layers)
+        obj = OmegaConf.to_object(merged)
+    except UserError:
+        raise
+    except OmegaConfBaseException as exc:
+        raise UserError(f"config error: {_one_line(exc)}") from None
+    except (ValueError, TypeError) as exc:  # raised by __post_init__ validation
+        raise UserError(f"config error: {_one_line(exc)}") from None
+    return obj  # type: ignore[return-value]
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain, JSON-serialisable dict of a (nested) config dataclass."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type[T], data: dict) -> T:
+    """Strictly rebuild a config dataclass from `to_dict` output (unknown keys are errors)."""
+    return load_config(cls, base=data)

@@ -1,0 +1,148 @@
+"""Model configuration: one dataclass describes the whole family (standard, looped, timestep-modulated).
+
+    standard Transformer   n_layers = L, loops = 1
+    Looped Transformer     n_layers = k (usually 1), loops = r            (paper Sec. 2.2: L2 ∘ TF^r ∘ L1)
+    TMLT                   ... and timestep = True                        (paper Sec. 4.2, Eq. 12-15)
+
+Presets carry the paper's sizes (App. C.1.3 reasoning, C.2 ICL, C.3 language modelling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+_HEADS = ("lm", "sequence", "regression")
+
+
+@dataclass
+class ModelConfig:
+    # L1: read-in. Exactly one of vocab_size (token ids) / input_dim (real vectors, e.g. in-context learning).
+    vocab_size: int = 0
+    input_dim: int = 0
+    max_len: int = 1024               # learned positions available
+    pos: str = "learned"              # "learned" | "none"
+    # TF: the looped block
+    d_model: int = 256
+    n_heads: int = 4
+    head_dim: Optional[int] = None    # default d_model // n_heads
+    ffn_dim: Optional[int] = None     # default 4 * d_model
+    n_layers: int = 1                 # k layers per block (the standard Transformer: L layers, loops = 1)
+    loops: int = 1                    # r: how often the block is applied (override per call with loops=)
+    activation: str = "gelu"          # "gelu" (exact erf) | "gelu_tanh" | "relu" | "silu"
+    norm: str = "rms"                 # pre-norm: "rms" | "none"
+    norm_gain: bool = True            # learnable gain in the block's RMSNorms
+    norm_eps: Optional[float] = None  # None: machine epsilon of the dtype (torch.nn.RMSNorm's default)
+    bias: bool = False
+    dropout: float = 0.0
+    causal: bool = True
+    attn_scale: Optional[float] = None  # softmax scale; None = 1/sqrt(head_dim); large values approach hardmax
+    timestep: bool = False            # TMLT: α(t), γ(t) from the loop index (adaLN-Zero initialisation)
+    timestep_freq_dim: int = 256      # width of the sinusoidal loop-index features PE(t)
+    timestep_max_period: float = 10000.0
+    input_injection: bool = False     # add the read-in embedding before every loop after the first
+    # L2: read-out
+    head: str = "lm"                  # "lm" (per-token logits) | "sequence" (pooled classes) | "regression"
+    n_out: Optional[int] = None       # default: vocab_size for "lm", 1 for "regression"
+    pool: str = "mean"                # sequence head: "mean" | "last" | "first"
+    final_norm: bool = True
+    tie_embeddings: bool = False      # lm head shares the token embedding
+    # memory options for deep loops
+    grad_loops: Optional[int] = None  # backpropagate through the last grad_loops loops only (truncated BPTT)
+    checkpoint: bool = False          # activation checkpointing per loop
+    # compatibility with published checkpoints (see loopformer.model.convert)
+    compat: str = "none"              # "none" | "authors": their LT quirk (v from un-normalised x, no MLP pre-norm)
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need((self.vocab_size > 0) != (self.input_dim > 0),
+             f"exactly one of vocab_size / input_dim must be > 0 (got {self.vocab_size}, {self.input_dim})")
+        need(self.d_model > 0 and self.n_heads > 0, "d_model and n_heads must be positive")
+        if self.head_dim is None:
+            need(self.d_model % self.n_heads == 0,
+                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim")
+        else:
+            need(self.head_dim > 0, "head_dim must be positive")
+        need(self.ffn_dim is None or self.ffn_dim > 0, "ffn_dim must be positive")
+        need(self.n_layers >= 1, f"n_layers must be >= 1 (got {self.n_layers})")
+        need(self.loops >= 1, f"loops must be >= 1 (got {self.loops})")
+        need(self.max_len >= 1, "max_len must be >= 1")
+        need(self.pos in ("learned", "none"), f"pos must be 'learned' or 'none' (got {self.pos!r})")
+        need(self.activation in _ACTIVATIONS, f"activation must be one of {_ACTIVATIONS} (got {self.activation!r})")
+        need(self.norm in ("rms", "none"), f"norm must be 'rms' or 'none' (got {self.norm!r})")
+        need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1) (got {self.dropout})")
+        need(self.head in _HEADS, f"head must be one of {_HEADS} (got {self.head!r})")
+        need(self.pool in ("mean", "last", "first"), f"pool must be mean/last/first (got {self.pool!r})")
+        need(self.n_out is None or self.n_out > 0, "n_out must be positive")
+        need(self.head == "regression" or self.n_out is not None or self.vocab_size > 0,
+             f"head={self.head!r} with vector input needs n_out")
+        need(self.timestep_freq_dim >= 2 and self.timestep_freq_dim % 2 == 0, "timestep_freq_dim must be even")
+        need(self.grad_loops is None or self.grad_loops >= 1, "grad_loops must be >= 1 (or null for all loops)")
+        need(self.compat in ("none", "authors"), f"compat must be 'none' or 'authors' (got {self.compat!r})")
+        if self.tie_embeddings:
+            need(self.vocab_size > 0 and self.head == "lm" and self.out_dim == self.vocab_size,
+                 "tie_embeddings needs token input and an lm head over the vocabulary")
+        need(self.init_std > 0, "init_std must be positive")
+
+    # derived sizes
+    @property
+    def hd(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_dim if self.ffn_dim is not None else 4 * self.d_model
+
+    @property
+    def out_dim(self) -> int:
+        if self.n_out is not None:
+            return self.n_out
+        return self.vocab_size if self.head in ("lm", "sequence") else 1
+
+    @property
+    def variant(self) -> str:
+        """'standard', 'looped' or 'tmlt' — the name used in result tables."""
+        if self.timestep:
+            return "tmlt"
+        return "looped" if self.loops > 1 else "standard"
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_GPT2_VOCAB = 50304  # 50257 padded to a multiple of 64, as in the authors' code
+
+PRESETS: dict[str, ModelConfig] = {
+    # a few thousand parameters: unit tests and smoke runs
+    "debug": ModelConfig(vocab_size=32, max_len=64, d_model=32, n_heads=2, loops=3, n_layers=1),
+    # App. C.1.3: reasoning tasks (vocab / max_len / causal set by the task)
+    "reasoning": ModelConfig(vocab_size=64, max_len=256, d_model=256, n_heads=4, n_layers=1, loops=8,
+                             input_injection=True),
+    "reasoning-tmlt": ModelConfig(vocab_size=64, max_len=256, d_model=256, n_heads=4, n_layers=1, loops=8,
+                                  input_injection=True, timestep=True),
+    # App. C.2: in-context learning, GPT-2 style, d = 256, 8 heads, 20-dim inputs, scalar read-out
+    "icl": ModelConfig(input_dim=21, max_len=256, d_model=256, n_heads=8, n_layers=1, loops=12,
+                       input_injection=True, head="regression"),
+    # App. C.3: WikiText-103; the looped model and the 6-layer baseline have about the same parameter count
+    "lm-looped": ModelConfig(vocab_size=_GPT2_VOCAB, max_len=1024, d_model=768, n_heads=12, n_layers=1, loops=24,
+                             tie_embeddings=True),
+    "lm-tmlt": ModelConfig(vocab_size=_GPT2_VOCAB, max_len=1024, d_model=768, n_heads=12, n_layers=1, loops=24,
+                           tie_embeddings=True, timestep=True),
+    "lm-baseline": ModelConfig(vocab_size=_GPT2_VOCAB, max_len=1024, d_model=512, n_heads=8, n_layers=6, loops=1,
+                               tie_embeddings=True),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A named preset, optionally with fields replaced: `preset("reasoning", loops=16)`."""
+    if name not in PRESETS:
+        from loopformer.errors import UserError
+
+        raise UserError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

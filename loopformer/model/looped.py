@@ -1,0 +1,196 @@
+"""The looped transformer family in one class:  y = L2( TF^r( L1(x) ) )   (paper Sec. 2.2, Eq. 3).
+
+    standard      n_layers = L, loops = 1
+    looped        a block of n_layers = k layers (usually 1) applied r = loops times, weights shared
+    TMLT          the block also receives the loop index t (timestep modulation, Sec. 4.2)
+    injection     the read-in embedding e is added to the hidden state before every loop after the first
+
+Shapes: B batch, T length, D width, R loops, k layers per block, C outputs, V vocabulary.
+The timestep modulations depend on t only, so they are computed once per forward for all R loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from loopformer.errors import UserError
+from loopformer.model.config import ModelConfig
+from loopformer.model.heads import Embed, Head
+from loopformer.model.layers import KVCache, Layer, RMSNorm, TimestepEmbedder
+
+# keys of a checkpoint's config.json that are not model fields (run settings, provenance)
+RESERVED_KEYS = ("run", "task", "loopformer_version", "source")
+
+try:  # from_pretrained / save_pretrained / push_to_hub on our checkpoint folders
+    from huggingface_hub import PyTorchModelHubMixin as _HubMixin
+except ImportError:  # pragma: no cover
+    class _HubMixin:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class LoopOutput:
+    logits: torch.Tensor                         # [B,T,C] ([B,C] for a sequence head)
+    hidden: torch.Tensor                         # [B,T,D] residual stream after the last loop (before norm/head)
+    all_logits: Optional[torch.Tensor] = None    # [R,B,T,C]: the read-out applied after every loop
+    all_hidden: Optional[torch.Tensor] = None    # [R,B,T,D]
+    loops: int = 0                               # loops actually run (fewer than asked when halting early)
+
+
+class LoopedTransformer(nn.Module, _HubMixin):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if isinstance(config, dict):  # rebuilt from config.json by the hub mixin
+            from loopformer.configio import from_dict
+
+            config = from_dict(ModelConfig, {k: v for k, v in config.items() if k not in RESERVED_KEYS})
+        self.config = cfg = config
+        self.embed = Embed(cfg)                                                     # L1
+        self.blocks = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))        # TF (shared across loops)
+        self.timestep = TimestepEmbedder(cfg) if cfg.timestep else None
+        self.norm_f = RMSNorm(cfg.d_model, True, cfg.norm_eps) if cfg.final_norm else nn.Identity()
+        self.head = Head(cfg)                                                       # L2
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.head.proj.weight = self.embed.tok.weight
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2k); adaLN-Zero for the modulations."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() >= 2:
+                s = std / (2 * self.config.n_layers) ** 0.5 if name.endswith("proj.weight") and "blocks" in name \
+                    else std
+                nn.init.normal_(p, 0.0, s)
+            else:
+                p.fill_(1.0)  # norm gains
+        for blk in self.blocks:
+            if blk.modulation is not None:
+                blk.modulation.weight.zero_()
+                blk.modulation.bias.zero_()
+
+    # ------------------------------------------------------------------ helpers
+    def num_params(self, exclude_positions: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
+        if exclude_positions and self.embed.pos is not None:
+            n -= self.embed.pos.weight.numel()
+        return n
+
+    def new_cache(self, batch_size: int, max_len: Optional[int] = None, loops: Optional[int] = None) -> KVCache:
+        """An empty key/value cache with one slot per (loop, layer) for `loops` loops (default: config.loops)."""
+        cfg = self.config
+        if not cfg.causal:
+            raise UserError("a key/value cache needs a causal model")
+        p = next(self.parameters())
+        cache = KVCache((loops or cfg.loops) * cfg.n_layers, batch_size, cfg.n_heads, max_len or cfg.max_len,
+                        cfg.hd, p.dtype, p.device)
+        cache.loops = loops or cfg.loops
+        return cache
+
+    def modulations(self, loops: int, device: torch.device) -> Optional[torch.Tensor]:
+        """[γ1, γ2, s1, s2] for every loop and layer at once: [R, k, 4, D] (None without timestep encoding)."""
+        if self.timestep is None:
+            return None
+        te = F.silu(self.timestep(torch.arange(loops, device=device)))                 # [R,D]
+        mods = torch.stack([blk.modulation(te) for blk in self.blocks], dim=1)        # [R,k,4D]
+        return mods.view(loops, len(self.blocks), 4, -1)
+
+    def _mask(self, attn_mask: Optional[torch.Tensor], T: int, past: int, device) -> Optional[torch.Tensor]:
+        """Boolean attention mask [B|1, 1, T, S] (True = may attend), or None for the fused causal/full path."""
+        if attn_mask is None and past == 0:
+            return None
+        S = past + T
+        q = torch.arange(past, S, device=device)[:, None]
+        k = torch.arange(S, device=device)[None, :]
+        allowed = (k <= q) if self.config.causal else torch.ones(T, S, dtype=torch.bool, device=device)
+        allowed = allowed[None, None]                                                  # [1,1,T,S]
+        if attn_mask is not None:
+            if attn_mask.shape[-1] != S:
+                raise ValueError(f"attn_mask covers {attn_mask.shape[-1]} positions, expected {S}")
+            allowed = allowed & attn_mask.bool()[:, None, None, :]
+        return allowed | (k == q)[None, None]   # a padded query still sees itself, so no row is empty
+
+    def _block(self, h: torch.Tensor, mods_t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+               cache: Optional[KVCache], t: int) -> torch.Tensor:
+        k = len(self.blocks)
+        for i, blk in enumerate(self.blocks):
+            h = blk(h, None if mods_t is None else mods_t[i], mask, cache, t * k + i)
+        return h
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, *, loops: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
+                return_all: bool = False, halt_tol: Optional[float] = None) -> LoopOutput:
+        """Run L1, then the block `loops` times, then L2.
+
+        x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
+        S = cached + T.  cache: from `new_cache` (generation; each loop reads its own slot).
+        return_all: also return every loop's hidden state and read-out.  halt_tol: stop looping (inference) once
+        every sequence's hidden state changes by less than this relative amount in one loop.
+        """
+        cfg = self.config
+        R = cfg.loops if loops is None else int(loops)
+        if R < 1:
+            raise UserError(f"loops must be >= 1 (got {R})")
+        B, T = x.shape[0], x.shape[1]
+        past = cache.length if cache is not None else 0
+        if cfg.pos == "learned" and past + T > cfg.max_len:
+            raise UserError(f"sequence length {past + T} exceeds the model's max_len {cfg.max_len}")
+        if cache is not None:
+            if cache.loops != R:
+                raise UserError(f"this cache was made for {cache.loops} loops, not {R}")
+            if halt_tol is not None:
+                raise UserError("halt_tol cannot be combined with a key/value cache")
+        if positions is None and cfg.pos == "learned":
+            if attn_mask is not None:   # left padding: the first real token is position 0
+                positions = (attn_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + T]
+            elif past:
+                positions = torch.arange(past, past + T, device=x.device)
+        mask = self._mask(attn_mask, T, past, x.device)
+
+        e = self.embed(x, positions)                                                   # [B,T,D]
+        mods = self.modulations(R, x.device)                                           # [R,k,4,D] | None
+        grad = torch.is_grad_enabled()
+        first_grad = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0
+        use_ckpt = cfg.checkpoint and grad and cache is None
+        h, states, ran = e, [], R
+        for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
+            if t > 0 and cfg.input_injection:
+                h = h + e
+            mods_t = None if mods is None else mods[t]
+            with torch.set_grad_enabled(grad and t >= first_grad):
+                if use_ckpt and t >= first_grad:
+                    h_new = checkpoint(self._block, h, mods_t, mask, None, t, use_reentrant=False)
+                else:
+                    h_new = self._block(h, mods_t, mask, cache, t)
+            if halt_tol is not None and t > 0:
+                change = (h_new - h).flatten(1).norm(dim=1) / h.flatten(1).norm(dim=1).clamp(min=1e-12)
+                h = h_new
+                if return_all:
+                    states.append(h)
+                if bool((change < halt_tol).all()):
+                    ran = t + 1
+                    break
+                continue
+            h = h_new
+            if return_all:
+                states.append(h)
+        if cache is not None:
+            cache.length += T
+
+        logits = self.head(self.norm_f(h), attn_mask)
+        out = LoopOutput(logits=logits, hidden=h, loops=ran)
+        if return_all:
+            out.all_hidden = torch.stack(states)                                       # [R,B,T,D]
+            out.all_logits = self.head(self.norm_f(out.all_hidden), attn_mask)         # [R,B,T,C]
+        return out

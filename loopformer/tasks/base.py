@@ -1,0 +1,80 @@
+"""The contract every task follows, so training, evaluation and the CLI treat all tasks alike.
+
+A *token task* (edit distance, LCS, Sudoku, Countdown) produces fixed-length integer arrays:
+
+    inputs  [N, T] int   token ids fed to the model (padded with `pad_id` to T)
+    targets [N, T] int   the token the model must output at each position, or IGNORE (-100) where no loss is taken
+
+For causal tasks `targets` is `inputs` shifted left by one, with every position outside the answer set to IGNORE,
+so teacher-forced exact match over the answer equals greedy-decoding exact match. For Sudoku (non-causal)
+`targets` holds the solution digit at every cell (metrics separate blanks from givens).
+
+A *vector task* (in-context learning) samples real-valued batches on the fly; see `loopformer.tasks.icl`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+IGNORE = -100
+
+
+@dataclass
+class Vocab:
+    """A list of token strings; ids are positions. `pad` is always id 0."""
+
+    tokens: list[str]
+    index: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(set(self.tokens)) != len(self.tokens):
+            raise ValueError("vocabulary tokens must be unique")
+        self.index = {t: i for i, t in enumerate(self.tokens)}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, toks: list[str]) -> list[int]:
+        from loopformer.errors import UserError
+
+        try:
+            return [self.index[t] for t in toks]
+        except KeyError as exc:
+            raise UserError(f"token {exc.args[0]!r} is not in the vocabulary") from None
+
+    def decode(self, ids) -> list[str]:
+        return [self.tokens[int(i)] for i in ids]
+
+
+class TokenTask:
+    """Base class of the token tasks. Subclasses set the attributes and implement the methods below."""
+
+    name: str = ""
+    causal: bool = True
+    vocab: Vocab
+    seq_len: int          # T: length of every `inputs` row
+    pad_id: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def options(self) -> dict[str, Any]:
+        """The generator options (recorded in manifests and run folders)."""
+        raise NotImplementedError
+
+    def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
+        """`n` samples as {'inputs', 'targets', ...extra arrays}; deterministic in (seed, split)."""
+        raise NotImplementedError
+
+    def metrics(self, pred: np.ndarray, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """Metrics from argmax predictions `pred` [N, T] (aligned with `targets`). Always includes 'accuracy'
+        (the task's headline metric in [0, 1], e.g. exact match)."""
+        raise NotImplementedError
+
+    def decode_row(self, batch: dict[str, np.ndarray], i: int) -> str:
+        """A human-readable rendering of sample i."""
+        raise NotImplementedError

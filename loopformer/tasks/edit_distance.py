@@ -1,0 +1,194 @@
+"""Edit distance (paper Sec. 5.1.1 and App. C.1.1, Algorithm 1; the generator of Feng et al. 2023).
+
+Per sample: draw an alphabet of t letters (t uniform in [alphabet_min, alphabet_max], letters distinct, from a..z);
+string 1 has exactly `length` (L) letters from it. With probability `p_random` string 2 is random with length
+uniform in [L-3, L+2]; otherwise string 2 is string 1 after k random edits (k uniform in 1..L; each edit is a
+deletion, a replacement or an insertion, equally likely, at a uniform position — a deletion that would leave
+fewer than 3 letters becomes an insertion). A pair whose strings are equal or whose string 2 falls outside
+[L-3, L+2] is redrawn (alphabet included, k kept). The shorter string comes first. The answer is the minimum
+cost of turning string 1 into string 2 with insertions (cost 2), deletions (2) and replacements (3).
+
+Algorithm 1 in the paper prints t ∈ {3..10} (Feng et al.'s default); the authors' runs at L = 60 use 24 extra
+letters, i.e. t ∈ {3..26}, which is our default (`alphabet_max=10` gives Algorithm 1 exactly).
+
+Layout: `s1 | s2 <sep> d <eos>` (see `loopformer.tasks.pairs`); T = 2L + 6; the answer is at most 3L + 6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from loopformer.tasks.common import check_range, dataclass_options, make_rng
+from loopformer.tasks.pairs import BAR, EOS, LETTER0, NUM0, SEP, StringPairTask, pair_vocab
+
+
+@numba.njit(cache=True)
+def edit_distance_dp(a, la, b, lb, c_ins, c_del, c_rep):
+    """Weighted Levenshtein distance between a[:la] and b[:lb] (one rolling row; O(la·lb))."""
+    row = np.empty(lb + 1, np.int64)
+    for j in range(lb + 1):
+        row[j] = j * c_ins
+    for i in range(1, la + 1):
+        diag = row[0]
+        row[0] = i * c_del
+        ai = a[i - 1]
+        for j in range(1, lb + 1):
+            up = row[j]
+            best = up + c_del
+            v = row[j - 1] + c_ins
+            if v < best:
+                best = v
+            v = diag + (0 if ai == b[j - 1] else c_rep)
+            if v < best:
+                best = v
+            diag = up
+            row[j] = best
+    return row[lb]
+
+
+@numba.njit(cache=True)
+def _generate(rng, n, L, amin, amax, p_random, c_ins, c_del, c_rep, T, rows, start, length, answer, len1, len2):
+    perm = np.empty(26, np.int64)
+    avail = np.empty(26, np.int64)
+    s1 = np.empty(L, np.int64)
+    s2 = np.empty(2 * L + 8, np.int64)
+    for i in range(n):
+        k = rng.integers(1, L + 1)                         # number of edits (drawn once, kept on redraws)
+        while True:
+            t = rng.integers(amin, amax + 1)
+            for j in range(26):
+                perm[j] = j
+            for j in range(t):                              # partial Fisher-Yates: t distinct letters
+                r = j + rng.integers(0, 26 - j)
+                tmp = perm[j]
+                perm[j] = perm[r]
+                perm[r] = tmp
+                avail[j] = perm[j]
+            for j in range(L):
+                s1[j] = avail[rng.integers(0, t)]
+            if rng.random() < p_random:
+                m = rng.integers(L - 3, L + 3)
+                for j in range(m):
+                    s2[j] = avail[rng.integers(0, t)]
+            else:
+                m = L
+                for j in range(L):
+                    s2[j] = s1[j]
+                for _ in range(k):
+                    op = rng.integers(0, 3)
+                    if op == 0 and m > 2:                   # delete
+                        p = rng.integers(0, m)
+                        for j in range(p, m - 1):
+                            s2[j] = s2[j + 1]
+                        m -= 1
+                    elif op == 1:                           # replace
+                        p = rng.integers(0, m)
+                        s2[p] = avail[rng.integers(0, t)]
+                    else:                                   # insert
+                        p = rng.integers(0, m + 1)
+                        c = avail[rng.integers(0, t)]
+                        if m + 1 > s2.shape[0]:
+                            break
+                        for j in range(m, p, -1):
+                            s2[j] = s2[j - 1]
+                        s2[p] = c
+                        m += 1
+                    if m > 2 * L + 6:                       # hopelessly long: redraw
+                        break
+            if m < L - 3 or m > L + 2:
+                continue
+            same = m == L
+            if same:
+                for j in range(L):
+                    if s1[j] != s2[j]:
+                        same = False
+                        break
+            if same:
+                continue
+            break
+        # shorter string first
+        pos = 0
+        if m < L:
+            for j in range(m):
+                rows[i, pos] = LETTER0 + s2[j]
+                pos += 1
+            rows[i, pos] = BAR
+            pos += 1
+            for j in range(L):
+                rows[i, pos] = LETTER0 + s1[j]
+                pos += 1
+            len1[i] = m
+            len2[i] = L
+        else:
+            for j in range(L):
+                rows[i, pos] = LETTER0 + s1[j]
+                pos += 1
+            rows[i, pos] = BAR
+            pos += 1
+            for j in range(m):
+                rows[i, pos] = LETTER0 + s2[j]
+                pos += 1
+            len1[i] = L
+            len2[i] = m
+        rows[i, pos] = SEP
+        pos += 1
+        d = edit_distance_dp(s1, L, s2, m, c_ins, c_del, c_rep)
+        answer[i] = d
+        start[i] = pos
+        rows[i, pos] = NUM0 + d
+        pos += 1
+        rows[i, pos] = EOS
+        pos += 1
+        length[i] = pos
+
+
+@dataclass
+class EditDistanceTask(StringPairTask):
+    """Edit distance with costs insert 2 / delete 2 / replace 3 (paper App. C.1.1)."""
+
+    length: int = 60
+    alphabet_min: int = 3
+    alphabet_max: int = 26
+    p_random: float = 0.4
+    insert_cost: int = 2
+    delete_cost: int = 2
+    replace_cost: int = 3
+
+    name = "edit_distance"
+
+    def __post_init__(self) -> None:
+        check_range("length", self.length, 4, 1000)
+        check_range("alphabet_min", self.alphabet_min, 1, 26)
+        check_range("alphabet_max", self.alphabet_max, self.alphabet_min, 26)
+        check_range("p_random", self.p_random, 0.0, 1.0, integer=False)
+        for k in ("insert_cost", "delete_cost", "replace_cost"):
+            check_range(k, getattr(self, k), 0, 1000)
+        L = self.length
+        # one string has exactly L letters, the other L-3..L+2: edit the common prefix of length min <= L
+        # letter by letter (replace, or delete + insert) and insert/delete the |difference| <= 3 others
+        self.max_answer = int(min(self.replace_cost, self.insert_cost + self.delete_cost) * L
+                              + 3 * max(self.insert_cost, self.delete_cost))
+        self.vocab = pair_vocab(self.max_answer)
+        self.seq_len = 2 * L + 6
+
+    def options(self) -> dict:
+        return dataclass_options(self)
+
+    def solve(self, s1: str, s2: str) -> int:
+        a = np.array([ord(c) for c in s1], np.int64)
+        b = np.array([ord(c) for c in s2], np.int64)
+        return int(edit_distance_dp(a, len(a), b, len(b), self.insert_cost, self.delete_cost,
+                                    self.replace_cost))
+
+    def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
+        rng = make_rng(seed, split)
+        n = int(n)
+        rows = np.zeros((n, self.seq_len), np.int32)
+        start, length, answer, len1, len2 = (np.zeros(n, np.int64) for _ in range(5))
+        _generate(rng, n, self.length, self.alphabet_min, self.alphabet_max, float(self.p_random),
+                  self.insert_cost, self.delete_cost, self.replace_cost, self.seq_len,
+                  rows, start, length, answer, len1, len2)
+        return self._finish(rows, start, length, answer, len1, len2)

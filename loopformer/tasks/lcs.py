@@ -1,0 +1,151 @@
+"""Longest common subsequence (paper Sec. 5.1.1, App. C.1.1; L = 60 and 100 in Table 2).
+
+Per sample: draw an alphabet of t letters (t uniform in [alphabet_min, alphabet_max], distinct letters of a..z);
+string 1 has exactly `length` (L) letters from it. With probability `p_random` string 2 is L random letters from
+the same alphabet (the paper's "two sequences sampled uniformly from the alphabet"; `p_random=1` gives exactly
+that); otherwise string 2 is string 1 after k random edits (k uniform in 1..L, each a replacement by a random
+letter or a deletion, equally likely, at a uniform position; a deletion that would leave fewer than ⌈L/2⌉ letters
+becomes a replacement), which gives long common subsequences too. The two strings are swapped with probability
+1/2. The answer is the LCS length (0..L).
+
+Layout: `s1 | s2 <sep> n <eos>` (see `loopformer.tasks.pairs`); T = 2L + 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from loopformer.tasks.common import check_range, dataclass_options, make_rng
+from loopformer.tasks.pairs import BAR, EOS, LETTER0, NUM0, SEP, StringPairTask, pair_vocab
+
+
+@numba.njit(cache=True)
+def lcs_dp(a, la, b, lb):
+    """Length of the longest common subsequence of a[:la] and b[:lb] (one rolling row; O(la·lb))."""
+    row = np.zeros(lb + 1, np.int64)
+    for i in range(1, la + 1):
+        diag = 0
+        ai = a[i - 1]
+        for j in range(1, lb + 1):
+            up = row[j]
+            if ai == b[j - 1]:
+                v = diag + 1
+            else:
+                v = up if up > row[j - 1] else row[j - 1]
+            diag = up
+            row[j] = v
+    return row[lb]
+
+
+@numba.njit(cache=True)
+def _generate(rng, n, L, amin, amax, p_random, rows, start, length, answer, len1, len2):
+    perm = np.empty(26, np.int64)
+    avail = np.empty(26, np.int64)
+    s1 = np.empty(L, np.int64)
+    s2 = np.empty(L, np.int64)
+    min_len = (L + 1) // 2
+    for i in range(n):
+        t = rng.integers(amin, amax + 1)
+        for j in range(26):
+            perm[j] = j
+        for j in range(t):
+            r = j + rng.integers(0, 26 - j)
+            tmp = perm[j]
+            perm[j] = perm[r]
+            perm[r] = tmp
+            avail[j] = perm[j]
+        for j in range(L):
+            s1[j] = avail[rng.integers(0, t)]
+        if rng.random() < p_random:
+            m = L
+            for j in range(L):
+                s2[j] = avail[rng.integers(0, t)]
+        else:
+            m = L
+            for j in range(L):
+                s2[j] = s1[j]
+            k = rng.integers(1, L + 1)
+            for _ in range(k):
+                op = rng.integers(0, 2)
+                p = rng.integers(0, m)
+                if op == 0 and m > min_len:                 # delete
+                    for j in range(p, m - 1):
+                        s2[j] = s2[j + 1]
+                    m -= 1
+                else:                                       # replace
+                    s2[p] = avail[rng.integers(0, t)]
+        swap = rng.random() < 0.5
+        pos = 0
+        if swap:
+            for j in range(m):
+                rows[i, pos] = LETTER0 + s2[j]
+                pos += 1
+            rows[i, pos] = BAR
+            pos += 1
+            for j in range(L):
+                rows[i, pos] = LETTER0 + s1[j]
+                pos += 1
+            len1[i] = m
+            len2[i] = L
+        else:
+            for j in range(L):
+                rows[i, pos] = LETTER0 + s1[j]
+                pos += 1
+            rows[i, pos] = BAR
+            pos += 1
+            for j in range(m):
+                rows[i, pos] = LETTER0 + s2[j]
+                pos += 1
+            len1[i] = L
+            len2[i] = m
+        rows[i, pos] = SEP
+        pos += 1
+        d = lcs_dp(s1, L, s2, m)
+        answer[i] = d
+        start[i] = pos
+        rows[i, pos] = NUM0 + d
+        pos += 1
+        rows[i, pos] = EOS
+        pos += 1
+        length[i] = pos
+
+
+@dataclass
+class LCSTask(StringPairTask):
+    """Length of the longest common subsequence of two strings."""
+
+    length: int = 60
+    alphabet_min: int = 3
+    alphabet_max: int = 25
+    p_random: float = 0.4
+
+    name = "lcs"
+
+    def __post_init__(self) -> None:
+        check_range("length", self.length, 1, 1000)
+        check_range("alphabet_min", self.alphabet_min, 1, 26)
+        check_range("alphabet_max", self.alphabet_max, self.alphabet_min, 26)
+        check_range("p_random", self.p_random, 0.0, 1.0, integer=False)
+        self.max_answer = int(self.length)
+        self.vocab = pair_vocab(self.max_answer)
+        self.seq_len = 2 * self.length + 4
+
+    def options(self) -> dict:
+        return dataclass_options(self)
+
+    def solve(self, s1: str, s2: str) -> int:
+        a = np.array([ord(c) for c in s1], np.int64)
+        b = np.array([ord(c) for c in s2], np.int64)
+        return int(lcs_dp(a, len(a), b, len(b)))
+
+    def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
+        rng = make_rng(seed, split)
+        n = int(n)
+        rows = np.zeros((n, self.seq_len), np.int32)
+        start, length, answer, len1, len2 = (np.zeros(n, np.int64) for _ in range(5))
+        _generate(rng, n, self.length, self.alphabet_min, self.alphabet_max, float(self.p_random),
+                  rows, start, length, answer, len1, len2)
+        return self._finish(rows, start, length, answer, len1, len2)

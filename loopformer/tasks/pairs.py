@@ -1,0 +1,119 @@
+"""The shared layout of the two string-pair dynamic-programming tasks (edit distance and LCS; paper Sec. 5.1.1,
+App. C.1.1), which follow the causal format of Feng et al. (2023):
+
+    s1 | s2 <sep> answer <eos>
+
+Vocabulary (ids are positions):
+
+    0 <pad>   1 <sep>   2 <eos>   3 |   4..29 a..z   30.. the numbers 0..max_answer (one token per number)
+
+The answer is a single number token, so exact match on the answer (number and <eos>) is the task's accuracy.
+Shapes: N samples, T = seq_len (the longest possible row for the task's options).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from loopformer.tasks.base import IGNORE, TokenTask, Vocab
+from loopformer.tasks.common import causal_targets, exact_match, token_accuracy
+
+PAD, SEP, EOS, BAR = 0, 1, 2, 3
+LETTER0 = 4          # id of 'a'
+NUM0 = 30            # id of the number 0
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def pair_vocab(max_answer: int) -> Vocab:
+    return Vocab(["<pad>", "<sep>", "<eos>", "|"] + list(LETTERS) + [str(i) for i in range(max_answer + 1)])
+
+
+def encode_pair(s1: str, s2: str, answer: int | None = None) -> list[int]:
+    """Token ids of `s1 | s2 <sep> [answer <eos>]` (letters a..z only)."""
+    from loopformer.errors import UserError
+
+    for s in (s1, s2):
+        bad = [c for c in s if c not in LETTERS]
+        if bad:
+            raise UserError(f"character {bad[0]!r} is not a letter a..z")
+    ids = [LETTER0 + LETTERS.index(c) for c in s1] + [BAR] + [LETTER0 + LETTERS.index(c) for c in s2] + [SEP]
+    if answer is not None:
+        ids += [NUM0 + int(answer), EOS]
+    return ids
+
+
+class StringPairTask(TokenTask):
+    """Common behaviour of edit distance and LCS: batch assembly, metrics, decoding."""
+
+    causal = True
+    max_answer: int
+
+    def _finish(self, rows: np.ndarray, start: np.ndarray, length: np.ndarray, answer: np.ndarray,
+                len1: np.ndarray, len2: np.ndarray) -> dict[str, np.ndarray]:
+        return {
+            "inputs": rows,
+            "targets": causal_targets(rows, start, length),
+            "answer_start": start.astype(np.int32),
+            "length": length.astype(np.int32),
+            "answer": answer.astype(np.int32),
+            "len1": len1.astype(np.int32),
+            "len2": len2.astype(np.int32),
+        }
+
+    def metrics(self, pred: np.ndarray, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """accuracy: exact match of the answer number and <eos>; answer_mae: mean |predicted − true| over rows
+        whose predicted answer token is a number (answer_numeric: their fraction)."""
+        pred = np.asarray(pred)
+        targets = np.asarray(batch["targets"])
+        n = len(pred)
+        rows = np.arange(n)
+        q = np.asarray(batch["answer_start"]) - 1           # position whose output is the answer number
+        got = pred[rows, q].astype(np.int64) - NUM0
+        true = np.asarray(batch["answer"]).astype(np.int64)
+        numeric = (got >= 0) & (got <= self.max_answer)
+        out = {
+            "accuracy": float(exact_match(pred, targets).mean()) if n else float("nan"),
+            "answer_accuracy": float((got == true).mean()) if n else float("nan"),
+            "token_accuracy": token_accuracy(pred, targets),
+            "answer_numeric": float(numeric.mean()) if n else float("nan"),
+            "answer_mae": float(np.abs(got - true)[numeric].mean()) if numeric.any() else float("nan"),
+        }
+        return out
+
+    def decode_row(self, batch: dict[str, np.ndarray], i: int) -> str:
+        row = np.asarray(batch["inputs"][i])
+        row = row[: int(batch["length"][i])] if "length" in batch else row[row != PAD]
+        toks = self.vocab.decode(row)
+        k = toks.index("|") if "|" in toks else len(toks)
+        s1 = "".join(toks[:k])
+        rest = toks[k + 1:]
+        j = rest.index("<sep>") if "<sep>" in rest else len(rest)
+        s2 = "".join(rest[:j])
+        ans = " ".join(t for t in rest[j + 1:] if t != "<eos>")
+        return f"{s1} | {s2}  ->  {ans}"
+
+    def encode(self, s1: str, s2: str) -> dict[str, np.ndarray]:
+        """A one-row batch for a user-given pair (answer computed by the task's reference DP)."""
+        from loopformer.errors import UserError
+
+        ans = self.solve(s1, s2)
+        ids = encode_pair(s1, s2, ans)
+        if len(ids) > self.seq_len:
+            raise UserError(f"pair is too long for this task: {len(ids)} tokens > seq_len {self.seq_len}")
+        rows = np.zeros((1, self.seq_len), dtype=np.int32)
+        rows[0, : len(ids)] = ids
+        start = np.array([len(ids) - 2])
+        return self._finish(rows, start, np.array([len(ids)]), np.array([ans]), np.array([len(s1)]),
+                            np.array([len(s2)]))
+
+    def solve(self, s1: str, s2: str) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def options(self) -> dict[str, Any]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+__all__ = ["StringPairTask", "pair_vocab", "encode_pair", "PAD", "SEP", "EOS", "BAR", "LETTER0", "NUM0",
+           "IGNORE"]

@@ -1,0 +1,185 @@
+"""Text generation from a looped language model: temperature / top-k / top-p sampling, batched prompts of different
+lengths, a key/value cache per loop step.
+
+A looped model recomputes every position at every loop, so the keys and values that loop t attends to come from the
+hidden state after loop t-1: a cache needs one slot per (loop, layer) — `LoopedTransformer.new_cache` — and each
+loop's attention reads and extends its own slot. With it, each new token costs one position through R loops instead
+of the whole sequence through R loops.
+
+Batching: prompts are left-padded to a common length P with an attention mask (True = real token); the model derives
+positions from the mask, so each row sees exactly what it would see alone. Row i's new tokens are appended after
+column P-1 for every row, so all rows advance together; a row that has emitted EOS keeps being fed (its later tokens
+are discarded).
+
+Sampling (`sample_next`): logits / temperature (0 = greedy), then top-k (keep the k largest), then top-p (keep the
+smallest set of tokens whose probability reaches p), then one draw from a seeded `torch.Generator` — the same seed
+gives the same text.
+Shapes: B batch (prompts), P padded prompt length, V vocabulary, N new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from loopformer.errors import UserError
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 64
+    temperature: float = 1.0        # 0: greedy (argmax)
+    top_k: Optional[int] = None     # keep the k most likely tokens
+    top_p: Optional[float] = None   # nucleus: keep the most likely tokens up to total probability p
+    seed: int = 0
+    stop_at_eos: bool = True
+    loops: Optional[int] = None     # loops at inference (default: the model's)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature < 0:
+            raise UserError(f"--temperature must be >= 0 (got {self.temperature})")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"--top-k must be >= 1 (got {self.top_k})")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if self.loops is not None and self.loops < 1:
+            raise UserError(f"--loops must be >= 1 (got {self.loops})")
+
+
+def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> torch.Tensor:
+    """Set the logits outside the top-k / top-p set to -inf. logits [B,V] -> [B,V]."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]                      # [B,1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)            # [B,V]
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs            # probability of the strictly more likely tokens
+        drop_sorted = before >= top_p                 # the most likely token always stays (before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row from logits [B,V] -> [B] int64."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = filter_logits(logits / temperature, top_k, top_p)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (idx [B,P], mask [B,P] bool, True = real token), padded on the left."""
+    if not prompts:
+        raise UserError("no prompt given")
+    if any(len(p) == 0 for p in prompts):
+        raise UserError("empty prompt: give at least one token of text")
+    P = max(len(p) for p in prompts)
+    idx = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        idx[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, P - len(p):] = True
+    return idx, mask
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]              # new tokens per prompt, up to and including EOS when stopped by it
+    logits: Optional[torch.Tensor]       # [B,N,V] the logits each new token was sampled from (if asked)
+    finished: list[bool]                 # stopped by EOS
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConfig] = None,
+             eos_id: Optional[int] = None, pad_id: int = 0, use_cache: bool = True, return_logits: bool = False,
+             progress: bool = False) -> Generation:
+    """Continue each token list in `prompts`; see the module docstring.
+
+    `use_cache=False` recomputes the whole (left-padded) sequence for every new token — the reference the cache is
+    checked against, and the only way past the model's `max_len` (the context is then cropped to the last
+    `max_len` columns).
+    """
+    cfg = cfg or SamplingConfig()
+    device = _device(model)
+    max_len = model.config.max_len if getattr(model.config, "pos", "learned") == "learned" else None
+    idx, mask = left_pad(prompts, pad_id)
+    B, P = idx.shape
+    idx, mask = idx.to(device), mask.to(device)
+    N = cfg.max_new_tokens
+    if use_cache and max_len is not None and P + N > max_len:
+        raise UserError(f"prompt ({P} tokens) + {N} new tokens exceed the model's context of {max_len}; "
+                        "shorten them or generate without the cache")
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    kw = {} if cfg.loops is None else {"loops": cfg.loops}
+    was_training = model.training
+    model.eval()
+    out_tokens = torch.zeros(B, 0, dtype=torch.long, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    all_logits = []
+    try:
+        if use_cache:
+            cache = model.new_cache(B, max_len=P + N, loops=cfg.loops)
+            logits = model(idx, attn_mask=mask, cache=cache, **kw).logits[:, -1]         # [B,V]
+        else:
+            logits = model(idx, attn_mask=mask, **kw).logits[:, -1]
+        for step in tqdm(range(N), desc="generating", unit="tok", disable=not progress):
+            if return_logits:
+                all_logits.append(logits.float())
+            nxt = sample_next(logits, cfg.temperature, cfg.top_k, cfg.top_p, gen)         # [B]
+            out_tokens = torch.cat([out_tokens, nxt[:, None]], dim=1)
+            if eos_id is not None:
+                finished |= nxt == eos_id
+            if step == N - 1 or (cfg.stop_at_eos and eos_id is not None and bool(finished.all())):
+                break
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool, device=device)], dim=1)
+            if use_cache:
+                logits = model(nxt[:, None], attn_mask=mask, cache=cache, **kw).logits[:, -1]
+            else:
+                idx = torch.cat([idx, nxt[:, None]], dim=1)
+                x, m = idx, mask
+                if max_len is not None and x.shape[1] > max_len:
+                    x, m = x[:, -max_len:], m[:, -max_len:]
+                logits = model(x, attn_mask=m, **kw).logits[:, -1]
+    finally:
+        if was_training:
+            model.train()
+    toks = out_tokens.tolist()
+    if cfg.stop_at_eos and eos_id is not None:
+        toks = [t[:t.index(eos_id) + 1] if eos_id in t else t for t in toks]
+    return Generation(tokens=toks, logits=torch.stack(all_logits, 1) if return_logits else None,
+                      finished=[bool(f) for f in finished.tolist()])
+
+
+def generate_text(model, tokenizer, prompts: Sequence[str], cfg: Optional[SamplingConfig] = None,
+                  use_cache: bool = True, progress: bool = False) -> list[str]:
+    """Continue each prompt string; returns the generated continuations (without the prompts, without EOS)."""
+    encoded = [tokenizer.encode(p) for p in prompts]
+    for p, e in zip(prompts, encoded):
+        if not e:
+            raise UserError(f"prompt {p!r} encodes to no tokens")
+        if max(e) >= model.config.vocab_size:
+            raise UserError(f"prompt {p!r} has token id {max(e)} outside the model's vocabulary "
+                            f"({model.config.vocab_size}); was the model trained with this tokenizer?")
+    res = generate(model, encoded, cfg, eos_id=tokenizer.eot_id, pad_id=tokenizer.eot_id, use_cache=use_cache,
+                   progress=progress)
+    out = []
+    for toks in res.tokens:
+        if toks and toks[-1] == tokenizer.eot_id:
+            toks = toks[:-1]
+        out.append(tokenizer.decode(toks))
+    return out
