@@ -34,7 +34,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -218,8 +218,9 @@ def jacobian_norm(fmap: EmbeddingMap, X: torch.Tensor, iters: int = 20, seed: in
     with sdpa_kernel(SDPBackend.MATH):
         _, vjp_fn = torch.func.vjp(fmap.apply, X)
         for _ in range(max(1, iters)):
-            _, jv = torch.func.jvp(fmap.apply, (X,), (v,))                             # [B,T,D']
-            sigma = _norm(jv, (1, 2))                                                  # ||J v|| with ||v|| = 1
+            with torch.no_grad():  # forward mode needs no graph (and is much faster without one)
+                _, jv = torch.func.jvp(fmap.apply, (X,), (v,))                         # [B,T,D']
+            sigma = _norm(jv.detach(), (1, 2))                                         # ||J v|| with ||v|| = 1
             (w,) = vjp_fn(jv.detach())                                                 # Jᵀ J v
             v = (w / _norm(w, (1, 2)).clamp(min=1e-300).to(X.dtype)[:, None, None]).detach()
     return sigma.cpu().numpy()
@@ -321,7 +322,9 @@ def plot(reports: dict[str, ContinuityReport], path: str | os.PathLike) -> None:
             if kind == "sequence" and rep.jacobian is not None:
                 ax.axhline(rep.jacobian.mean, color=c, ls=":", lw=1.5)
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        values = [y for line in ax.get_lines() for y in line.get_ydata()]
+        if values and min(values) > 0:
+            ax.set_yscale("log")
         ax.set_xlabel("relative noise scale ρ")
         ax.set_title(f"{kind} continuity")
         ax.grid(True, which="both", alpha=0.3)
@@ -370,4 +373,4 @@ def continuity_of_checkpoint(model, tokens: np.ndarray, vocab_size: int, cfg: Co
 
 __all__ = ["EmbeddingMap", "LoopedEmbeddingMap", "ContinuityConfig", "ContinuityReport", "Stat", "noise_ratios",
            "substitution_ratios", "jacobian_norm", "measure_continuity", "sample_windows", "to_markdown", "plot",
-           "write_json", "continuity_of_checkpoint", "perturb_tokens", "Sequence"]
+           "write_json", "continuity_of_checkpoint", "perturb_tokens"]

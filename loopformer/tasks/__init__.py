@@ -1,0 +1,63 @@
+"""The paper's tasks (Sec. 5, App. C): seeded generators, loaders for the public formats, and metrics.
+
+Token tasks follow the contract in `loopformer.tasks.base` and are built by name:
+
+    >>> from loopformer.tasks import get_task
+    >>> task = get_task("edit_distance", length=12, alphabet_max=5)
+    >>> batch = task.generate(4, seed=0)
+    >>> batch["inputs"].shape == (4, task.seq_len)
+    True
+
+    edit_distance  s1 | s2 <sep> cost <eos>            (causal; Feng et al. 2023's generator)
+    lcs            s1 | s2 <sep> length <eos>          (causal)
+    sudoku         81 cells -> 81 solution digits       (non-causal; unique-solution puzzles, public CSV loaders)
+    countdown      n1 n2 n3 n4 target a op b = c ×3 .   (causal; held-out targets for the test split)
+
+In-context learning (real-valued prompts sampled on the fly) lives in `loopformer.tasks.icl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from loopformer.errors import UserError
+from loopformer.tasks.base import IGNORE, TokenTask, Vocab
+from loopformer.tasks.countdown import CountdownTask
+from loopformer.tasks.edit_distance import EditDistanceTask
+from loopformer.tasks.lcs import LCSTask
+from loopformer.tasks.sudoku import SudokuTask
+
+TASKS: dict[str, type[TokenTask]] = {
+    "edit_distance": EditDistanceTask,
+    "lcs": LCSTask,
+    "sudoku": SudokuTask,
+    "countdown": CountdownTask,
+}
+
+
+def task_options(name: str) -> dict[str, Any]:
+    """The options of a task with their defaults."""
+    cls = _task_class(name)
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+
+
+def _task_class(name: str) -> type[TokenTask]:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise UserError(f"unknown task {name!r} (expected one of: {', '.join(TASKS)})") from None
+
+
+def get_task(name: str, **options: Any) -> TokenTask:
+    """Build a token task by name; unknown names or options are one-line UserErrors."""
+    cls = _task_class(name)
+    known = task_options(name)
+    for key in options:
+        if key not in known:
+            raise UserError(f"unknown option {key!r} for task {name} (options: {', '.join(known)})")
+    return cls(**options)
+
+
+__all__ = ["TASKS", "get_task", "task_options", "TokenTask", "Vocab", "IGNORE", "EditDistanceTask", "LCSTask",
+           "SudokuTask", "CountdownTask"]

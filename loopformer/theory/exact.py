@@ -87,9 +87,10 @@ class FeedForward:
 
     def __post_init__(self):
         q, D = len(self.w1), len(self.w2)
+        din = len(self.w1[0]) if q else 0
         if len(self.b1) != q or len(self.b2) != D or any(len(r) != q for r in self.w2) \
-                or any(len(r) != D for r in self.w1):
-            raise ValueError(f"feed-forward shapes do not match: W1 {q}x?, W2 {D}x?")
+                or any(len(r) != din for r in self.w1):
+            raise ValueError(f"feed-forward shapes do not match: W1 {q}x{din}, W2 {D}x?")
         object.__setattr__(self, "_l1", Affine(self.w1, self.b1))
         object.__setattr__(self, "_l2", Affine(self.w2, self.b2))
 
@@ -100,6 +101,10 @@ class FeedForward:
     @property
     def dim(self) -> int:
         return len(self.w2)
+
+    @property
+    def in_dim(self) -> int:
+        return len(self.w1[0]) if self.w1 else 0
 
     def hidden(self, x: Sequence) -> list:
         return [relu(h) for h in self._l1(x)]
@@ -130,6 +135,8 @@ class Block:
             raise ValueError(f"attention must be 'hardmax' or 'softmax' (got {self.attention!r})")
         if self.attention == "softmax" and (self.temperature is None or self.temperature <= 0):
             raise ValueError("softmax attention needs a temperature λ > 0")
+        if self.ff.in_dim != self.ff.dim:
+            raise ValueError("a looped block needs a square feed-forward layer (D -> D)")
         for h in self.heads:
             if not (len(h.wq) == len(h.wk) == len(h.wv) == len(h.wo) == self.ff.dim):
                 raise ValueError("attention head widths do not match the block width")

@@ -1,0 +1,361 @@
+"""Datasets on disk: generation in parallel chunks, train/test de-duplication, manifest, memory-mapped loading and
+sharding for data-parallel ranks.
+
+A dataset folder:
+
+    manifest.json          task name and options, seed, counts, chunk size, format version, array dtypes/shapes,
+                           SHA-256 of every array file
+    train/inputs.npy       [N_train, T] token ids (int16 when the vocabulary fits, else int32)
+    train/targets.npy      [N_train, T] (IGNORE = -100 where no loss is taken)
+    train/<extra>.npy      the task's extra arrays (answer_start, difficulty, ...)
+    test/...               the same for the test split
+
+Determinism: split s is produced as a stream of chunks of `chunk_size` rows; chunk k is
+`task.generate(chunk_size, seed_k, s)` with seed_k drawn from `SeedSequence([seed, s, k])`. Chunks are consumed
+in order and duplicates dropped in order, so the bytes do not depend on the number of worker processes.
+De-duplication: a row is identified by a 128-bit hash of its `inputs`; train keeps the first occurrence of each,
+test drops rows already in train or earlier in test — train and test are disjoint across the whole split.
+Everything is written to a temporary folder that is renamed into place, so a failed run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from loopformer.errors import UserError
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "test")
+_HASH_COEF = (np.random.default_rng(0x5EED).integers(1, 2**63 - 1, size=(2, 4096), dtype=np.int64)
+              .astype(np.uint64) * np.uint64(2) + np.uint64(1))   # odd 64-bit multipliers
+
+
+# ------------------------------------------------------------------------------------------------------ hashing
+def row_hashes(rows: np.ndarray) -> list[int]:
+    """A 128-bit hash (as Python ints) of every row of an integer array [N, T] (two random linear hashes mod 2^64)."""
+    rows = np.ascontiguousarray(rows)
+    n, t = rows.shape
+    if t > _HASH_COEF.shape[1]:
+        raise ValueError("rows longer than 4096 tokens are not supported by the row hash")
+    v = rows.astype(np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        h1 = (v * _HASH_COEF[0, :t]).sum(axis=1, dtype=np.uint64) ^ np.uint64(t)
+        h2 = (v * _HASH_COEF[1, :t]).sum(axis=1, dtype=np.uint64)
+    return [(a << 64) | b for a, b in zip(h1.tolist(), h2.tolist())]
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------- generation
+def chunk_seed(seed: int, split: str, k: int) -> int:
+    from loopformer.tasks.common import split_id
+
+    return int(np.random.SeedSequence([int(seed), split_id(split), int(k)]).generate_state(1, np.uint32)[0])
+
+
+def default_chunk_size(task) -> int:
+    """Rows per chunk: about a tenth of a second of work per chunk."""
+    return 256 if task.name == "sudoku" else 4096
+
+
+def _gen_chunk(args):
+    name, options, chunk, seed, split, k = args
+    from loopformer.tasks import get_task
+
+    task = get_task(name, **options)
+    return task.generate(chunk, chunk_seed(seed, split, k), split)
+
+
+def _pool(workers: int):
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+    return ctx.Pool(workers)
+
+
+def _collect(task, n: int, seed: int, split: str, chunk: int, pool, seen: set, exclude: set, bar) -> dict:
+    """n distinct rows of `split` (not in `exclude`), consuming the chunk stream in order."""
+    parts: list[dict[str, np.ndarray]] = []
+    have = 0
+    generated = 0
+    k = 0
+    workers = pool._processes if pool is not None else 1
+    while have < n:
+        left = n - have
+        todo = max(1, min(math.ceil(left / chunk) + (1 if k else 0), 4 * workers))
+        args = [(task.name, task.options(), chunk, seed, split, k + j) for j in range(todo)]
+        k += todo
+        results = pool.map(_gen_chunk, args) if pool is not None else [_gen_chunk(a) for a in args]
+        for batch in results:
+            generated += chunk
+            keep = []
+            for i, h in enumerate(row_hashes(batch["inputs"])):
+                if h in seen or h in exclude:
+                    continue
+                seen.add(h)
+                keep.append(i)
+                if have + len(keep) == n:
+                    break
+            if keep:
+                idx = np.asarray(keep)
+                parts.append({key: np.asarray(v)[idx] for key, v in batch.items()})
+                have += len(keep)
+                if bar is not None:
+                    bar.update(len(keep))
+            if have == n:
+                break
+        if have < n and generated >= 20 * n + 10 * chunk:
+            raise UserError(f"only {have} distinct {split} samples found among {generated} generated: the task "
+                            f"options {task.options()} allow too few distinct samples for --{split} {n}")
+    if not parts:
+        empty = task.generate(0, seed, split)
+        return {key: v[:0] for key, v in empty.items()}
+    return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+
+def _token_dtype(task) -> np.dtype:
+    return np.dtype(np.int16) if task.vocab_size < 2**15 else np.dtype(np.int32)
+
+
+def write_splits(out_dir: str | os.PathLike, task, splits: dict[str, dict[str, np.ndarray]], seed: int | None,
+                 extra: dict[str, Any] | None = None, overwrite: bool = False) -> dict:
+    """Write arrays + manifest.json atomically (temporary folder, then rename). Returns the manifest."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"output path exists and is not a folder: {out_dir}")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise UserError(f"output folder is not empty: {out_dir} (pass --force to replace it)")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
+    try:
+        tok = _token_dtype(task)
+        arrays: dict[str, dict] = {}
+        checksums: dict[str, str] = {}
+        counts: dict[str, int] = {}
+        for split, batch in splits.items():
+            os.makedirs(os.path.join(tmp, split))
+            counts[split] = int(len(batch["inputs"]))
+            arrays[split] = {}
+            for key, value in batch.items():
+                value = np.asarray(value)
+                if key in ("inputs", "targets"):
+                    value = value.astype(tok)
+                rel = f"{split}/{key}.npy"
+                np.save(os.path.join(tmp, rel), np.ascontiguousarray(value), allow_pickle=False)
+                arrays[split][key] = {"dtype": value.dtype.str, "shape": list(value.shape)}
+                checksums[rel] = _sha256(os.path.join(tmp, rel))
+        from loopformer import __version__
+
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "task": task.name,
+            "options": task.options(),
+            "seed": seed,
+            "counts": counts,
+            "seq_len": task.seq_len,
+            "vocab_size": task.vocab_size,
+            "causal": bool(task.causal),
+            "arrays": arrays,
+            "checksums": checksums,
+            "loopformer_version": __version__,
+        }
+        if extra:
+            manifest.update(extra)
+        with open(os.path.join(tmp, "manifest.json"), "w") as fh:
+            json.dump(manifest, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+        if os.path.isdir(out_dir):
+            old = out_dir + ".old-" + os.path.basename(tmp)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def write_dataset(out_dir: str | os.PathLike, task, n_train: int, n_test: int, seed: int = 0, workers: int = 1,
+                  chunk_size: int | None = None, overwrite: bool = False, progress: bool = True) -> dict:
+    """Generate `n_train` + `n_test` distinct samples of `task` and write them to `out_dir` (see module doc).
+
+    The result is identical for any `workers`; it depends on (task options, seed, chunk_size). Returns the
+    manifest.
+    """
+    for name, v in (("n_train", n_train), ("n_test", n_test), ("seed", seed)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise UserError(f"{name} must be a non-negative integer, got {v!r}")
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+        raise UserError(f"workers must be a positive integer, got {workers!r}")
+    chunk = int(chunk_size or default_chunk_size(task))
+    if chunk < 1:
+        raise UserError(f"chunk_size must be >= 1, got {chunk}")
+    from tqdm.auto import tqdm
+
+    task.generate(1, 0, "train")          # compile / load the compiled kernels once before forking workers
+    pool = _pool(workers) if workers > 1 else None
+    try:
+        splits = {}
+        train_seen: set = set()
+        for split, n in (("train", int(n_train)), ("test", int(n_test))):
+            bar = tqdm(total=n, desc=f"{task.name} {split}", unit="samples", disable=not progress, leave=True,
+                       dynamic_ncols=True)
+            try:
+                if split == "train":
+                    splits[split] = _collect(task, n, seed, split, chunk, pool, train_seen, set(), bar)
+                else:
+                    splits[split] = _collect(task, n, seed, split, chunk, pool, set(), train_seen, bar)
+            finally:
+                bar.close()
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return write_splits(out_dir, task, splits, seed, {"chunk_size": chunk, "source": "generator"}, overwrite)
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of a dataset folder; UserError if the folder or manifest is missing or malformed."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise UserError(f"dataset folder not found: {path}")
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.isfile(mpath):
+        raise UserError(f"not a dataset folder (no manifest.json): {path}")
+    try:
+        with open(mpath) as fh:
+            manifest = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"malformed manifest {mpath}: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"malformed manifest {mpath}: expected a JSON object")
+    for key in ("format_version", "task", "options", "counts", "arrays", "checksums"):
+        if key not in manifest:
+            raise UserError(f"malformed manifest {mpath}: missing key {key!r}")
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise UserError(f"dataset {path} has format version {manifest['format_version']!r}; this loopformer "
+                        f"reads version {FORMAT_VERSION}")
+    if not isinstance(manifest["options"], dict) or not isinstance(manifest["arrays"], dict):
+        raise UserError(f"malformed manifest {mpath}: 'options' and 'arrays' must be objects")
+    return manifest
+
+
+def open_dataset(path: str | os.PathLike, verify: bool = False, mmap: bool = True):
+    """(task, {'train': {name: array}, 'test': {...}}) from a dataset folder; arrays are memory-mapped read-only.
+
+    The task is rebuilt from the manifest's name and options. `verify=True` also checks every SHA-256.
+    Raises UserError with one clear line when the folder, manifest or an array is missing or inconsistent.
+    """
+    from loopformer.tasks import get_task
+
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    try:
+        task = get_task(manifest["task"], **manifest["options"])
+    except UserError as exc:
+        raise UserError(f"dataset {path}: {exc}") from None
+    except TypeError as exc:
+        raise UserError(f"dataset {path}: bad task options in manifest: {exc}") from None
+    splits: dict[str, dict[str, np.ndarray]] = {}
+    for split, arrays in manifest["arrays"].items():
+        if not isinstance(arrays, dict) or "inputs" not in arrays or "targets" not in arrays:
+            raise UserError(f"dataset {path}: split {split!r} lacks inputs/targets in the manifest")
+        splits[split] = {}
+        for key, meta in arrays.items():
+            rel = f"{split}/{key}.npy"
+            fpath = os.path.join(path, rel)
+            if not os.path.isfile(fpath):
+                raise UserError(f"dataset {path}: missing array file {rel}")
+            if verify:
+                want = manifest["checksums"].get(rel)
+                if want is None or _sha256(fpath) != want:
+                    raise UserError(f"dataset {path}: checksum mismatch for {rel}")
+            try:
+                arr = np.load(fpath, mmap_mode="r" if mmap else None, allow_pickle=False)
+            except (ValueError, OSError) as exc:
+                raise UserError(f"dataset {path}: cannot read {rel}: {exc}") from None
+            if list(arr.shape) != list(meta.get("shape", [])) or arr.dtype.str != meta.get("dtype"):
+                raise UserError(f"dataset {path}: {rel} has shape {list(arr.shape)} / dtype {arr.dtype.str}, "
+                                f"manifest says {meta.get('shape')} / {meta.get('dtype')}")
+            splits[split][key] = arr
+        n = manifest["counts"].get(split)
+        if n is not None and len(splits[split]["inputs"]) != n:
+            raise UserError(f"dataset {path}: split {split} has {len(splits[split]['inputs'])} rows, manifest "
+                            f"says {n}")
+        if splits[split]["inputs"].shape[1:] != (task.seq_len,):
+            raise UserError(f"dataset {path}: rows have length {splits[split]['inputs'].shape[1:]}, the task "
+                            f"expects {task.seq_len}")
+    return task, splits
+
+
+def shard_indices(n: int, rank: int, world_size: int, drop_last: bool = False) -> np.ndarray:
+    """Row indices of rank `rank` out of `world_size`: strided (rank, rank + W, ...), every rank the same count.
+
+    With drop_last=False the tail is padded by wrapping around to the first rows (as torch's DistributedSampler
+    does), so each rank gets ceil(n / W) rows; with drop_last=True each gets floor(n / W).
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if drop_last:
+        total = (n // world_size) * world_size
+        idx = np.arange(total)
+    else:
+        total = math.ceil(n / world_size) * world_size if n else 0
+        idx = np.arange(total) % max(n, 1)
+    return idx[rank::world_size].astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------------------ sudoku import
+def import_sudoku(csv_path: str | os.PathLike, layout: str, out_dir: str | os.PathLike, n_test: int = 1000,
+                  n_train: int | None = None, seed: int = 0, min_difficulty: float | None = None,
+                  overwrite: bool = False) -> dict:
+    """Convert a public Sudoku CSV (see `loopformer.tasks.sudoku.LAYOUTS`) into a dataset folder.
+
+    Rows are validated (a malformed row is a UserError naming its line; nothing is written), optionally filtered
+    by difficulty, de-duplicated by puzzle, shuffled with `seed`, and split into `n_test` test rows and `n_train`
+    (default: all the rest) train rows.
+    """
+    from loopformer.tasks.sudoku import SudokuTask, read_sudoku_csv
+
+    data = read_sudoku_csv(csv_path, layout, min_difficulty=min_difficulty)
+    p, s, r = data["puzzles"], data["solutions"], data["difficulty"]
+    _, first = np.unique(p, axis=0, return_index=True)
+    first = np.sort(first)
+    order = first[np.random.default_rng(seed).permutation(len(first))]
+    if n_test > len(order):
+        raise UserError(f"{csv_path}: only {len(order)} distinct puzzles, fewer than --test {n_test}")
+    test_idx = order[:n_test]
+    rest = order[n_test:]
+    if n_train is not None:
+        if n_train > len(rest):
+            raise UserError(f"{csv_path}: only {len(rest)} puzzles left for training, fewer than --train {n_train}")
+        rest = rest[:n_train]
+    task = SudokuTask()
+    splits = {}
+    for split, idx in (("train", rest), ("test", test_idx)):
+        batch = SudokuTask.from_digits(p[idx], s[idx], r[idx])
+        batch["line"] = data["line"][idx]
+        splits[split] = batch
+    extra = {"source": f"import:{layout}", "source_file": os.path.basename(os.fspath(csv_path)),
+             "min_difficulty": min_difficulty, "rows_read": int(len(data["line"]))}
+    return write_splits(out_dir, task, splits, seed, extra, overwrite)

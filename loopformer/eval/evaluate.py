@@ -1,0 +1,149 @@
+"""Evaluation on a task's test split, and loop-wise evaluation (paper Sec. 5, Table 2; the metric after each loop).
+
+One forward pass with `return_all=True` and R_max loops gives the read-out after every loop t = 1..R_max, so the
+metric at the trained loop count r and at every other t — also beyond r (extrapolation) — comes from one run:
+
+    token tasks   argmax predictions [R,N,T] → the task's metrics per loop (headline: exact-match 'accuracy')
+    text          summed next-token cross-entropy per loop → loss (nats/token), ppl = exp(loss), next-token accuracy
+    vector (ICL)  squared error of the read-out at the supervised positions per loop → 'mse'
+
+Shapes: R loops, B batch, N test rows, T length, C classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from loopformer.tasks.base import IGNORE
+
+
+def _eval_batch_size(requested: int, loops: int, T: int, C: int, budget: float = 1.5e8) -> int:
+    """Rows per forward so the per-loop logits [R,B,T,C] stay within `budget` elements."""
+    return int(max(1, min(requested, budget // max(1, loops * T * C))))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Any, *, loops: Optional[int] = None, max_loops: Optional[int] = None,
+             batch_size: int = 256, limit: int = 0, loopwise: bool = True, device: Optional[torch.device] = None,
+             autocast: Callable[[], Any] = contextlib.nullcontext, progress: bool = False) -> dict[str, Any]:
+    """Metrics of `model` on `data`'s test split at `loops` (default: the model's), plus the loop-wise curve.
+
+    Returns {"loops": r, "max_loops": R, "metric": name, "metrics": {...at r}, "loopwise": [{"loop": t, ...}]}.
+    """
+    from loopformer.model.io import unwrap
+
+    raw = unwrap(model)
+    cfg = raw.config
+    r = int(loops or cfg.loops)
+    R = max(r, int(max_loops or 0)) if loopwise else r
+    device = device or next(raw.parameters()).device
+    was_training = raw.training
+    raw.eval()
+    try:
+        if data.kind == "text":
+            per_loop = _eval_text(raw, data, R, batch_size, limit, device, autocast, progress)
+        elif data.kind == "vector":
+            per_loop = _eval_vector(raw, data, R, batch_size, limit, device, autocast, progress)
+        else:
+            per_loop = _eval_tokens(raw, data, R, batch_size, limit, device, autocast, progress)
+    finally:
+        raw.train(was_training)
+    # per_loop: a list of metric dicts, loop 1..R (only the last one when not loop-wise)
+    if loopwise:
+        curve = [{"loop": t + 1, **m} for t, m in enumerate(per_loop)]
+        at_r = per_loop[r - 1]
+    else:
+        curve, at_r = [], per_loop[-1]
+    return {"loops": r, "max_loops": R, "metric": data.metric, "higher_is_better": data.higher_is_better,
+            "metrics": at_r, "loopwise": curve}
+
+
+def _forward(model, x, R, all_loops: bool, autocast):
+    with autocast():
+        out = model(x, loops=R, return_all=all_loops)
+    return out.all_logits if all_loops else out.logits[None]                             # [R|1,B,T,C]
+
+
+def _eval_tokens(model, data, R, batch_size, limit, device, autocast, progress) -> list[dict[str, float]]:
+    all_loops = R > 1
+    preds: list[np.ndarray] = []
+    rows: list[dict[str, np.ndarray]] = []
+    C = model.config.out_dim
+    first = True
+    for batch in tqdm(list(data.test_batches(10 ** 9, limit)), desc="eval", disable=not progress, leave=False):
+        T = batch["inputs"].shape[1]
+        step = _eval_batch_size(batch_size, R if all_loops else 1, T, C)
+        for i in range(0, len(batch["inputs"]), step):
+            x = torch.as_tensor(np.asarray(batch["inputs"][i:i + step], dtype=np.int64), device=device)
+            logits = _forward(model, x, R, all_loops, autocast)
+            preds.append(logits.argmax(-1).cpu().numpy())                                 # [R,b,T]
+        rows.append(batch)
+        first = False
+    del first
+    pred = np.concatenate(preds, axis=1)                                                  # [R,N,T]
+    full = {k: np.concatenate([b[k] for b in rows]) for k in rows[0]}
+    if not all_loops:
+        return [data.metrics(pred[0], full)]
+    return [data.metrics(pred[t], full) for t in range(pred.shape[0])]
+
+
+def _eval_text(model, data, R, batch_size, limit, device, autocast, progress) -> list[dict[str, float]]:
+    all_loops = R > 1
+    n_loops = R if all_loops else 1
+    nll = np.zeros(n_loops)
+    correct = np.zeros(n_loops)
+    count = 0
+    C = model.config.out_dim
+    for batch in tqdm(list(data.test_batches(batch_size, limit)), desc="eval", disable=not progress, leave=False):
+        T = batch["inputs"].shape[1]
+        step = _eval_batch_size(batch_size, n_loops, T, C)
+        for i in range(0, len(batch["inputs"]), step):
+            x = torch.as_tensor(batch["inputs"][i:i + step], device=device)
+            y = torch.as_tensor(batch["targets"][i:i + step], device=device)
+            logits = _forward(model, x, R, all_loops, autocast).float()                   # [R,b,T,V]
+            for t in range(n_loops):
+                nll[t] += F.cross_entropy(logits[t].reshape(-1, C), y.reshape(-1), reduction="sum").item()
+                correct[t] += (logits[t].argmax(-1) == y).sum().item()
+            count += y.numel()
+    out = []
+    for t in range(n_loops):
+        loss = nll[t] / count
+        out.append({"loss": loss, "ppl": math.exp(min(loss, 700.0)), "accuracy": correct[t] / count,
+                    "tokens": count})
+    return out
+
+
+def _eval_vector(model, data, R, batch_size, limit, device, autocast, progress) -> list[dict[str, float]]:
+    """Squared error / d at the prediction positions: 'mse' (mean over positions), 'mse_last' (last position)."""
+    all_loops = R > 1
+    n_loops = R if all_loops else 1
+    sq, last, rows, count = np.zeros(n_loops), np.zeros(n_loops), 0, 0.0
+    for batch in tqdm(list(data.test_batches(batch_size, limit)), desc="eval", disable=not progress, leave=False):
+        x = torch.as_tensor(batch["inputs"], dtype=torch.float32, device=device)
+        y = torch.as_tensor(batch["targets"], dtype=torch.float32, device=device)          # [b,T]
+        w = torch.as_tensor(batch["weight"], dtype=torch.float32, device=device)           # [b,T]
+        outs = _forward(model, x, R, all_loops, autocast).float()[..., 0]                 # [R,b,T]
+        err = (outs - y) ** 2 * w                                                         # [R,b,T]
+        last_pos = int(torch.nonzero(w[0]).max())
+        sq += err.sum(dim=(1, 2)).cpu().numpy()
+        last += err[:, :, last_pos].sum(1).cpu().numpy()
+        count += float(w.sum())
+        rows += x.shape[0]
+    scale = getattr(data, "error_scale", 1.0)
+    return [{"mse": sq[t] / max(count, 1.0) / scale, "mse_last": last[t] / max(rows, 1) / scale}
+            for t in range(n_loops)]
+
+
+def headline(result: dict[str, Any]) -> float:
+    """The headline metric's value at the trained loop count."""
+    return float(result["metrics"][result["metric"]])
+
+
+__all__ = ["evaluate", "headline", "IGNORE"]

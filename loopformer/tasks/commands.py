@@ -1,0 +1,145 @@
+"""`loopformer data`: generate, inspect and import task datasets (see `loopformer.data` for the folder format).
+
+    loopformer data gen TASK --out DIR --train N --test M [--seed S] [--workers W] [--opt key=value ...]
+    loopformer data show DIR [--split test] [-n 5] [--verify]
+    loopformer data import {radcliffe,extreme,kaggle} CSV --out DIR [--min-difficulty 3.0] [--test M] [--train N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from loopformer.errors import UserError
+
+
+def _count(text: str) -> int:
+    """A non-negative sample count; accepts 1000, 1e6, 1_000_000."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a non-negative integer: {text!r}")
+    return int(value)
+
+
+def parse_options(pairs: list[str] | None) -> dict:
+    """`key=value` strings to a dict; values are read as YAML scalars (60 -> int, 0.5 -> float, null -> None)."""
+    import yaml
+
+    out: dict = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise UserError(f"--opt {pair!r} is not of the form key=value")
+        key, raw = pair.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if not key:
+            raise UserError(f"--opt {pair!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str) and value.lower() == "none":
+            value = None
+        out[key] = value
+    return out
+
+
+def _gen(args) -> int:
+    from loopformer.data import write_dataset
+    from loopformer.tasks import get_task
+
+    task = get_task(args.task, **parse_options(args.opt))
+    t0 = time.perf_counter()
+    manifest = write_dataset(args.out, task, args.train, args.test, seed=args.seed, workers=args.workers,
+                             chunk_size=args.chunk_size, overwrite=args.force, progress=not args.quiet)
+    dt = time.perf_counter() - t0
+    total = args.train + args.test
+    print(f"wrote {args.out}: {task.name} {json.dumps(manifest['options'])}, train {manifest['counts']['train']}, "
+          f"test {manifest['counts']['test']}, seq_len {task.seq_len}, vocab {task.vocab_size} "
+          f"({dt:.1f} s, {total / max(dt, 1e-9):,.0f} samples/s)")
+    return 0
+
+
+def _show(args) -> int:
+    from loopformer.data import open_dataset, read_manifest
+
+    manifest = read_manifest(args.dir)
+    task, splits = open_dataset(args.dir, verify=args.verify)
+    if args.split not in splits:
+        raise UserError(f"dataset {args.dir} has no split {args.split!r} (splits: {', '.join(splits)})")
+    counts = ", ".join(f"{k} {v}" for k, v in manifest["counts"].items())
+    print(f"{args.dir}: task {task.name} {json.dumps(manifest['options'])}")
+    print(f"  {counts}; seq_len {task.seq_len}; vocab {task.vocab_size}; causal {task.causal}; "
+          f"seed {manifest.get('seed')}; source {manifest.get('source', 'generator')}"
+          + ("; checksums verified" if args.verify else ""))
+    batch = splits[args.split]
+    n = min(args.n, len(batch["inputs"]))
+    rows = {k: np.asarray(v[:n]) for k, v in batch.items()}
+    for i in range(n):
+        print(f"--- {args.split}[{i}]")
+        print(task.decode_row(rows, i))
+    return 0
+
+
+def _import(args) -> int:
+    from loopformer.data import import_sudoku
+
+    t0 = time.perf_counter()
+    manifest = import_sudoku(args.csv, args.layout, args.out, n_test=args.test, n_train=args.train, seed=args.seed,
+                             min_difficulty=args.min_difficulty, overwrite=args.force)
+    print(f"wrote {args.out}: sudoku from {args.layout} file {args.csv} ({manifest['rows_read']} rows read"
+          + (f", difficulty >= {args.min_difficulty}" if args.min_difficulty is not None else "")
+          + f"), train {manifest['counts']['train']}, test {manifest['counts']['test']} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def register(subparsers) -> None:
+    from loopformer.tasks import TASKS
+
+    data = subparsers.add_parser("data", help="generate, inspect and import task datasets",
+                                 description="Generate, inspect and import datasets of the paper's tasks.")
+    sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    data.set_defaults(func=lambda a: (data.print_help(), 2)[1])
+
+    gen = sub.add_parser("gen", help="generate a dataset folder",
+                         description="Generate distinct train/test samples of a task into a dataset folder.")
+    gen.add_argument("task", choices=sorted(TASKS), help="task name")
+    gen.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    gen.add_argument("--train", type=_count, required=True, help="number of training samples (e.g. 1e6)")
+    gen.add_argument("--test", type=_count, required=True, help="number of test samples")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--workers", type=int, default=1, help="processes (the output does not depend on it)")
+    gen.add_argument("--opt", nargs="+", action="extend", metavar="KEY=VALUE",
+                     help="task options, e.g. --opt length=60 alphabet_max=10")
+    gen.add_argument("--chunk-size", type=int, default=None, help="rows per generation chunk (changes the data)")
+    gen.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.set_defaults(func=_gen)
+
+    show = sub.add_parser("show", help="print decoded examples of a dataset",
+                          description="Print a dataset's manifest summary and decoded examples.")
+    show.add_argument("dir", help="dataset folder")
+    show.add_argument("--split", default="test")
+    show.add_argument("-n", type=int, default=5, help="number of examples")
+    show.add_argument("--verify", action="store_true", help="check the SHA-256 of every array")
+    show.set_defaults(func=_show)
+
+    imp = sub.add_parser("import", help="convert a public Sudoku CSV",
+                         description="Convert a public Sudoku CSV (Radcliffe's sudoku-3m, Sudoku-Extreme or the "
+                                     "Kaggle 1M set) into a dataset folder.")
+    imp.add_argument("layout", choices=["radcliffe", "extreme", "kaggle"])
+    imp.add_argument("csv", help="the CSV file")
+    imp.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    imp.add_argument("--min-difficulty", type=float, default=None,
+                     help="keep puzzles rated at least this (radcliffe: the paper's hard set uses 3.0)")
+    imp.add_argument("--test", type=_count, default=1000, help="test puzzles (default 1000)")
+    imp.add_argument("--train", type=_count, default=None, help="train puzzles (default: all the rest)")
+    imp.add_argument("--seed", type=int, default=0, help="shuffle seed")
+    imp.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    imp.set_defaults(func=_import)

@@ -1,0 +1,187 @@
+"""Run configuration: one typed, nested dataclass per experiment (model, task, optimisation, evaluation, logging).
+
+The shipped YAML files in `configs/` fill these; dotted overrides (`train.lr=3e-4 model.loops=16`) go on top.
+Defaults follow the paper's reasoning-task recipe (App. C.1.3): AdamW β = (0.9, 0.999), weight decay 0.01,
+lr 1e-4 decayed linearly to 0 after 5 warm-up steps, batch 64. The language-modelling recipe (App. C.3: β2 0.95,
+wd 1e-4, 2000 warm-up steps, cosine from 2e-4 to 6e-5) is `schedule: cosine` with its values in the YAML.
+
+The model section is a `ModelConfig`; the fields the task fixes (vocabulary / input width, sequence length,
+causality, read-out) are filled from the task before the YAML is applied, so a config only names what it chooses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from omegaconf import OmegaConf
+
+from loopformer.configio import load_config
+from loopformer.errors import UserError
+from loopformer.model.config import ModelConfig
+
+LOSS_LOOPS = ("last", "all", "window")
+SCHEDULES = ("linear", "cosine", "constant", "onecycle")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class TaskConfig:
+    """Which data to train on. Either `data_dir` (a folder written by `loopformer data gen` / `text prepare`) or
+    the task generated in memory from `name`, `options`, `n_train`, `n_test` and `seed`."""
+
+    name: str = "lcs"                 # edit_distance | lcs | sudoku | countdown | icl | text
+    options: dict[str, Any] = field(default_factory=dict)   # generator options, e.g. {length: 60}
+    data_dir: Optional[str] = None
+    n_train: int = 10000
+    n_test: int = 1000
+    seed: int = 0                     # data seed (independent of the model seed)
+    answer_only: bool = False         # causal pair tasks read by a bidirectional model: hide the answer tokens
+                                      # from the input and supervise only the answer position
+    block_size: int = 256             # text: tokens per training window
+    eval_windows: int = 64            # text: validation windows per evaluation
+    points: int = 41                  # icl: in-context examples per prompt (without a curriculum)
+    curriculum: dict[str, Any] = field(default_factory=dict)  # icl: the dims / points curriculum fields
+
+    def __post_init__(self) -> None:
+        _need(bool(self.name), "task.name must be set")
+        _need(self.n_train >= 1 and self.n_test >= 1, "task.n_train and task.n_test must be >= 1")
+        _need(self.seed >= 0, f"task.seed must be >= 0 (got {self.seed})")
+        _need(self.block_size >= 2, "task.block_size must be >= 2")
+        _need(self.eval_windows >= 1, "task.eval_windows must be >= 1")
+        _need(self.points >= 1, "task.points must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0                    # optimiser steps; 0: from `epochs`
+    epochs: float = 0.0               # passes over the training split (token tasks), used when steps = 0
+    batch_size: int = 64              # global batch: summed over processes and accumulation micro-steps
+    grad_accum: int = 1
+    lr: float = 1e-4
+    min_lr: float = 0.0               # the schedule's floor
+    schedule: str = "linear"          # linear | cosine | constant | onecycle (warm-up to lr, cosine to min_lr)
+    warmup_steps: int = 5
+    warmup_fraction: float = 0.0      # if > 0, warm-up = this fraction of the steps (overrides warmup_steps)
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0            # max global gradient norm; 0 disables clipping
+    loss_loops: str = "last"          # last | all (every loop's read-out, Sudoku and ICL) | window (last loss_window)
+    loss_window: int = 1
+    loops_start: int = 0              # loop curriculum: start with this many loops (0: off) ...
+    loops_every: int = 1000           # ... and add loops_increment every loops_every steps, up to model.loops
+    loops_increment: int = 1
+    eval_every: int = 0               # steps between evaluations (and checkpoints); 0: only at the end
+    log_every: int = 10
+    precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16
+    compile: bool = False             # torch.compile the model (GPU)
+
+    def __post_init__(self) -> None:
+        _need(self.steps >= 0 and self.epochs >= 0, "train.steps and train.epochs must be >= 0")
+        _need(self.steps > 0 or self.epochs > 0, "set train.steps or train.epochs")
+        _need(self.batch_size >= 1 and self.grad_accum >= 1, "train.batch_size and train.grad_accum must be >= 1")
+        _need(self.batch_size % self.grad_accum == 0,
+              f"train.batch_size={self.batch_size} is not divisible by train.grad_accum={self.grad_accum}")
+        _need(self.lr > 0 and 0 <= self.min_lr <= self.lr, "need train.lr > 0 and 0 <= train.min_lr <= train.lr")
+        _need(self.schedule in SCHEDULES, f"train.schedule must be one of {SCHEDULES} (got {self.schedule!r})")
+        _need(self.warmup_steps >= 0 and 0 <= self.warmup_fraction < 1, "bad warm-up (steps >= 0, fraction < 1)")
+        _need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas must be two values in [0,1)")
+        _need(self.grad_clip >= 0 and self.weight_decay >= 0, "train.grad_clip and train.weight_decay must be >= 0")
+        _need(self.loss_loops in LOSS_LOOPS, f"train.loss_loops must be one of {LOSS_LOOPS} (got {self.loss_loops!r})")
+        _need(self.loss_window >= 1, "train.loss_window must be >= 1")
+        _need(self.loops_start >= 0 and self.loops_every >= 1 and self.loops_increment >= 1,
+              "loop curriculum: loops_start >= 0, loops_every >= 1, loops_increment >= 1")
+        _need(self.eval_every >= 0 and self.log_every >= 1, "train.eval_every >= 0 and train.log_every >= 1")
+        _need(self.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS} (got {self.precision!r})")
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 256
+    n: int = 0                        # evaluate on the first n test samples (0: all)
+    max_loops: int = 0                # loop-wise evaluation up to this many loops (0: 2 × the trained loops)
+    loopwise: bool = True             # record the metric after every loop t = 1..max_loops
+
+    def __post_init__(self) -> None:
+        _need(self.batch_size >= 1 and self.n >= 0 and self.max_loops >= 0, "eval: batch_size >= 1, n and max_loops >= 0")
+
+
+@dataclass
+class LogConfig:
+    progress: bool = True             # tqdm bar
+    tensorboard: bool = True          # when the tensorboard package is installed
+    wandb: bool = False               # when the wandb package is installed
+    wandb_project: str = "loopformer"
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    out_dir: str = "runs/run"         # the run folder (config, metrics, checkpoint, results)
+    seed: int = 0                     # model initialisation and dropout
+    device: str = "auto"              # auto | cpu | cuda | mps
+    threads: int = 0                  # CPU threads for torch (0: torch's default)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=1))
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=1000))
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _need(self.seed >= 0, f"seed must be >= 0 (got {self.seed})")
+        _need(self.device in DEVICES, f"device must be one of {DEVICES} (got {self.device!r})")
+        _need(self.threads >= 0, "threads must be >= 0")
+        _need(bool(self.out_dir), "out_dir must be set")
+        tr, m = self.train, self.model
+        if tr.loss_loops == "window":
+            _need(tr.loss_window <= m.loops, f"train.loss_window={tr.loss_window} exceeds model.loops={m.loops}")
+
+
+def _raw_layers(path: Optional[str | os.PathLike], overrides: Iterable[str]) -> dict:
+    """The YAML file and overrides merged without a schema (to find the task before the full load)."""
+    layers = []
+    if path is not None:
+        if not os.path.isfile(path):
+            raise UserError(f"config file not found: {path}")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as exc:
+            raise UserError(f"cannot parse config {path}: {str(exc).splitlines()[0]}") from None
+    ovs = list(overrides)
+    for ov in ovs:
+        if "=" not in ov:
+            raise UserError(f"override {ov!r} is not of the form key=value")
+    if ovs:
+        try:
+            layers.append(OmegaConf.from_dotlist(ovs))
+        except Exception as exc:
+            raise UserError(f"bad override: {str(exc).splitlines()[0]}") from None
+    merged = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
+    return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
+
+
+def load_run_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
+                    base: Optional[dict] = None) -> RunConfig:
+    """Load a run config: defaults < `base` < what the task fixes < YAML at `path` < dotted `overrides`.
+
+    The task section is read first, the task is built (see `loopformer.train.data.model_fields`), and the model
+    fields it fixes are merged in below the YAML, so the YAML may still override e.g. `model.max_len`.
+    """
+    from loopformer.train.data import model_fields
+
+    overrides = list(overrides)
+    raw = _raw_layers(path, overrides)
+    task_raw = dict((base or {}).get("task", {}))
+    task_raw.update(raw.get("task", {}) or {})
+    task_cfg = load_config(TaskConfig, base={"task": task_raw}["task"]) if task_raw else TaskConfig()
+    fixed = {"model": model_fields(task_cfg)}
+    merged_base = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base or {}), OmegaConf.create(fixed)))
+    return load_config(RunConfig, path, overrides, base=merged_base)  # type: ignore[arg-type]

@@ -1,0 +1,104 @@
+"""Processes, devices and reductions for `torchrun` data parallelism (PyTorch DDP: NCCL on GPUs, gloo on CPU).
+
+A plain `python` launch is a world of one process and every helper is a no-op there. Under
+`torchrun --nproc_per_node=N`, `RANK`, `WORLD_SIZE` and `LOCAL_RANK` are set; each process takes its slice of
+every global batch (see `loopformer.train.data`) and only rank 0 logs and writes files.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loopformer.errors import UserError
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def pick_device(choice: str, local_rank: int = 0) -> torch.device:
+    """'auto' → CUDA if available, else Apple MPS, else CPU; an explicit choice must be available."""
+    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else ("mps" if has_mps else "cpu")
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("device cuda was asked for but no CUDA device is available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if choice == "mps":
+        if not has_mps:
+            raise UserError("device mps was asked for but Apple MPS is not available")
+        return torch.device("mps")
+    if choice != "cpu":
+        raise UserError(f"unknown device {choice!r} (auto, cpu, cuda, mps)")
+    return torch.device("cpu")
+
+
+def setup(device_choice: str = "auto") -> Dist:
+    """Join the process group when launched by torchrun (once per process); pick this process's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_choice, local)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend)
+    return Dist(rank=rank, world=world, local_rank=local, device=device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_sum(d: Dist, values: list[float]) -> list[float]:
+    """Element-wise sum of a list of numbers over all processes (float64, on the process's device)."""
+    if not d.active:
+        return [float(v) for v in values]
+    dev = d.device if d.device.type == "cuda" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(d: Dist) -> None:
+    if d.active:
+        dist.barrier()
+
+
+def gather_objects(d: Dist, obj: Any) -> list[Any]:
+    """Every process's `obj`, in rank order (on every process)."""
+    if not d.active:
+        return [obj]
+    out: list[Any] = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(d: Dist, obj: Any) -> Any:
+    """Rank 0's `obj` on every process."""
+    if not d.active:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

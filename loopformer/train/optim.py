@@ -1,0 +1,91 @@
+"""Optimiser, learning-rate schedules, per-loop losses and loop curricula — pure functions of the step.
+
+Schedules (multipliers of the peak lr, paper App. C.1.3 and C.3):
+    linear     warm-up from 0 to lr over `warmup` steps, then linear decay to min_lr at the last step
+    cosine     warm-up, then lr_min + (lr - lr_min)·(1 + cos(π·p))/2, p the post-warm-up progress (nanoGPT's)
+    constant   warm-up, then lr
+    onecycle   warm-up, then cosine to min_lr (cosine with warm-up set by `warmup_fraction`)
+Per-loop loss (Sec. 5 / App. C.1.3: Sudoku and ICL put every loop's read-out in the loss, as Yang et al. 2023):
+    last       the read-out after the last loop only
+    all        the mean of the losses of the read-out after loops 1..R
+    window     the mean over the last `loss_window` loops
+Shapes: R loops, B batch, T length, C classes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from loopformer.tasks.base import IGNORE
+from loopformer.train.config import TrainConfig
+
+
+def warmup_steps(cfg: TrainConfig, total: int) -> int:
+    if cfg.warmup_fraction > 0:
+        return max(1, int(round(cfg.warmup_fraction * total)))
+    return min(cfg.warmup_steps, max(total - 1, 0))
+
+
+def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+    """The learning rate for optimiser step `step` (0-based) of `total`."""
+    warm = warmup_steps(cfg, total)
+    if warm > 0 and step < warm:
+        return cfg.lr * (step + 1) / warm
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(total - warm, 1)
+    p = min(max((step - warm) / span, 0.0), 1.0)
+    if cfg.schedule == "linear":
+        return cfg.lr + (cfg.min_lr - cfg.lr) * p
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))   # cosine / onecycle
+
+
+def loops_at(cfg: TrainConfig, step: int, final: int) -> int:
+    """Training loop count at `step`: the loop curriculum, or the model's loops when it is off."""
+    if cfg.loops_start <= 0:
+        return final
+    return min(final, cfg.loops_start + (step // cfg.loops_every) * cfg.loops_increment)
+
+
+def loss_loops(cfg: TrainConfig, loops: int) -> Optional[int]:
+    """How many trailing loops enter the loss (None: only the final read-out, no per-loop outputs needed)."""
+    if cfg.loss_loops == "last":
+        return None
+    if cfg.loss_loops == "all":
+        return loops
+    return min(cfg.loss_window, loops)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; matrices decay, vectors (norm gains, biases) and embeddings' positions do not (GPT-2 practice)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and "pos" not in name.split(".")[-2:] else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, int]:
+    """(sum of per-position losses, number of supervised positions).
+
+    Token logits [..., B,T,C] with integer targets [B,T] (IGNORE skipped): cross-entropy.
+    Regression outputs [..., B,T,1] with real targets [B,T] and `weight` [B,T] (1 = supervised): squared error.
+    Leading dims (loops) are summed over; the count is per read-out.
+    """
+    if targets.dtype.is_floating_point:
+        pred = logits[..., 0].float()
+        w = torch.ones_like(targets) if weight is None else weight.to(targets.dtype)
+        err = (pred - targets).pow(2) * w
+        return err.sum(), int(w.sum().item())
+    lead = logits.shape[:-3]
+    flat_t = targets.expand(*lead, *targets.shape).reshape(-1)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_t, ignore_index=IGNORE,
+                           reduction="sum")
+    return loss, int((targets != IGNORE).sum().item())
