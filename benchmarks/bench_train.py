@@ -2,8 +2,9 @@
 
 Both sides run the same math (`compat="authors"` reproduces their forwards exactly). Printed per case: tokens/s of a
 full training step (forward, backward, AdamW), the ratio ours / theirs measured side by side in this run
-(interleaved repetitions, median), and the share of this machine's measured float32 matmul peak, with FLOPs
-counted by `torch.utils.flop_counter`.
+(interleaved repetitions, median), the share of this machine's measured matmul peak (FLOPs counted by
+`torch.utils.flop_counter`), and the number of aten operations one step dispatches (each one at least a kernel
+launch on a GPU, where small looped models are launch-bound).
 
     python benchmarks/bench_train.py [--compile] [--device cuda] [--dtype bfloat16] [--reps 7]
 """
@@ -16,6 +17,7 @@ import time
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from loopformer.model.convert import from_authors
@@ -76,6 +78,25 @@ def count_flops(fwd, idx, targets) -> int:
     return fc.get_total_flops()
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operations a step dispatches (on a GPU each is at least one kernel launch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fwd, idx, targets) -> int:
+    with _OpCounter() as oc:
+        loss = nn.functional.cross_entropy(fwd(idx).flatten(0, 1), targets.flatten())
+        loss.backward()
+    return oc.n
+
+
 def run_case(name, model_type, vocab, d, heads, loops, batch, length, args) -> dict:
     dev, dtype = args.device, getattr(torch, args.dtype)
     sd = random_authors_state_dict(model_type, vocab, length, d, seed=0)
@@ -91,6 +112,7 @@ def run_case(name, model_type, vocab, d, heads, loops, batch, length, args) -> d
     with torch.no_grad():  # same math before timing
         diff = (ours(idx).logits - theirs(idx)).abs().max().item()
     flops = count_flops(lambda x: ours(x).logits, idx, targets)
+    ops = (count_ops(lambda x: ours(x).logits, idx, targets), count_ops(theirs, idx, targets))
     ours_fwd = (lambda x: ours(x).logits)
     if args.compile:
         compiled = torch.compile(ours)
@@ -107,7 +129,7 @@ def run_case(name, model_type, vocab, d, heads, loops, batch, length, args) -> d
             s()
             times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"case": name, "tokens": batch * length, "flops": flops, "diff": diff, **med}
+    return {"case": name, "tokens": batch * length, "flops": flops, "diff": diff, "ops": ops, **med}
 
 
 def main() -> None:
@@ -131,14 +153,15 @@ def main() -> None:
     peak = matmul_peak(args.device, getattr(torch, args.dtype))
     print(f"device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, compile={args.compile}, "
           f"measured matmul peak {peak / 1e9:.1f} GFLOP/s\n")
-    print("| case | max |logit diff| | ours tok/s | theirs tok/s | speed-up (ours/theirs) | ours % of peak |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| case | max abs logit diff | ours tok/s | theirs tok/s | speed-up (ours/theirs) | ours % of peak "
+          "| aten ops per step (ours / theirs) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for case in cases:
         r = run_case(*case, args)
         ours_tps, theirs_tps = r["tokens"] / r["ours"], r["tokens"] / r["theirs"]
         util = r["flops"] / r["ours"] / peak * 100
         print(f"| {r['case']} | {r['diff']:.1e} | {ours_tps:,.0f} | {theirs_tps:,.0f} | "
-              f"{r['theirs'] / r['ours']:.2f}x | {util:.0f}% |", flush=True)
+              f"{r['theirs'] / r['ours']:.2f}x | {util:.0f}% | {r['ops'][0]} / {r['ops'][1]} |", flush=True)
 
 
 if __name__ == "__main__":

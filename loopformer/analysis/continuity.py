@@ -21,8 +21,8 @@ estimates the ratios ||Δf|| / ||ΔX|| — lower bounds of ω(δ)/δ at δ = ||�
                    contextual (every position but n = T-1, read at n)
     substitution   one token replaced by another (ΔX = embedding difference at n):
                    token (read at n), contextual (largest change at any other position), sequence (all)
-    jacobian       the local Lipschitz constant ||∂f/∂X||_2 at X (power iteration with forward- and reverse-mode
-                   products): the supremum of the sequence ratio as δ -> 0, i.e. the slope of ω_f at 0
+    jacobian       the local Lipschitz constant ||∂f/∂X||_2 at X (power iteration with Jacobian-vector products):
+                   the supremum of the sequence ratio as δ -> 0, i.e. the slope of ω_f at 0
 
 Each is reported as mean / median / max over the samples, as a markdown table and a PNG plot.
 Shapes: B samples, T window length, D width, V vocabulary.
@@ -119,6 +119,7 @@ class ContinuityReport:
     substitution: dict[str, Stat] = field(default_factory=dict)       # kind -> Stat
     jacobian: Optional[Stat] = None
     input_rms: float = 0.0
+    positions: list[int] = field(default_factory=list)                # the position n of each sample
     samples: int = 0
     length: int = 0
     raw: dict[str, list[float]] = field(default_factory=dict, repr=False)
@@ -206,22 +207,25 @@ def substitution_ratios(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int, 
 def jacobian_norm(fmap: EmbeddingMap, X: torch.Tensor, iters: int = 20, seed: int = 0) -> np.ndarray:
     """||∂f/∂X||_2 per sample [B] by power iteration on JᵀJ (samples are independent, so J is block diagonal).
 
-    Forward-mode (J v) and reverse-mode (Jᵀ u) products run under the math attention kernel, which supports both.
+    One graph of f at X gives both products: Jᵀu by a backward pass, and J v by differentiating u -> Jᵀu (linear in
+    u) once more — the double-backward form of a forward-mode product. Attention runs on the math kernel, which
+    supports double backward.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gen = torch.Generator(device=X.device).manual_seed(seed)
-    X = X.detach()
+    X = X.detach().clone().requires_grad_(True)
     v = torch.randn(X.shape, generator=gen, device=X.device, dtype=X.dtype)
     v = v / _norm(v, (1, 2)).to(X.dtype)[:, None, None]
     sigma = torch.zeros(X.shape[0], dtype=torch.float64, device=X.device)
-    with sdpa_kernel(SDPBackend.MATH):
-        _, vjp_fn = torch.func.vjp(fmap.apply, X)
+    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+        Y = fmap.apply(X)                                                              # [B,T,D']
+        u = torch.zeros_like(Y, requires_grad=True)
+        (jt_u,) = torch.autograd.grad(Y, X, grad_outputs=u, create_graph=True)         # Jᵀu, linear in u
         for _ in range(max(1, iters)):
-            with torch.no_grad():  # forward mode needs no graph (and is much faster without one)
-                _, jv = torch.func.jvp(fmap.apply, (X,), (v,))                         # [B,T,D']
-            sigma = _norm(jv.detach(), (1, 2))                                         # ||J v|| with ||v|| = 1
-            (w,) = vjp_fn(jv.detach())                                                 # Jᵀ J v
+            (jv,) = torch.autograd.grad(jt_u, u, grad_outputs=v, retain_graph=True)    # J v
+            sigma = _norm(jv.detach(), (1, 2))                                         # ||J v||, ||v|| = 1
+            (w,) = torch.autograd.grad(Y, X, grad_outputs=jv.detach(), retain_graph=True)  # Jᵀ J v
             v = (w / _norm(w, (1, 2)).clamp(min=1e-300).to(X.dtype)[:, None, None]).detach()
     return sigma.cpu().numpy()
 
@@ -237,7 +241,7 @@ def measure_continuity(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int,
     with torch.no_grad():
         X = fmap.embed(idx).detach()
     rms = float(X.double().pow(2).mean().sqrt())
-    rep = ContinuityReport(input_rms=rms, samples=B, length=T)
+    rep = ContinuityReport(input_rms=rms, positions=positions.tolist(), samples=B, length=T)
     steps = len(cfg.scales) + 1 + (1 if cfg.power_iters else 0)
     with tqdm(total=steps, desc="continuity", disable=not progress) as bar:
         for s in cfg.scales:

@@ -335,9 +335,15 @@ def import_sudoku(csv_path: str | os.PathLike, layout: str, out_dir: str | os.Pa
     by difficulty, de-duplicated by puzzle, shuffled with `seed`, and split into `n_test` test rows and `n_train`
     (default: all the rest) train rows.
     """
-    from loopformer.tasks.sudoku import SudokuTask, read_sudoku_csv
+    from loopformer.tasks.sudoku import LAYOUTS, SudokuTask, read_sudoku_csv
 
-    data = read_sudoku_csv(csv_path, layout, min_difficulty=min_difficulty)
+    if min_difficulty is not None and layout in LAYOUTS and LAYOUTS[layout][3] is None:
+        raise UserError(f"the {layout} layout has no difficulty column; drop --min-difficulty")
+    data = read_sudoku_csv(csv_path, layout)
+    rows_read = int(len(data["line"]))
+    if min_difficulty is not None:
+        keep = data["difficulty"] >= min_difficulty
+        data = {k: v[keep] for k, v in data.items()}
     p, s, r = data["puzzles"], data["solutions"], data["difficulty"]
     _, first = np.unique(p, axis=0, return_index=True)
     first = np.sort(first)
@@ -357,5 +363,5 @@ def import_sudoku(csv_path: str | os.PathLike, layout: str, out_dir: str | os.Pa
         batch["line"] = data["line"][idx]
         splits[split] = batch
     extra = {"source": f"import:{layout}", "source_file": os.path.basename(os.fspath(csv_path)),
-             "min_difficulty": min_difficulty, "rows_read": int(len(data["line"]))}
+             "min_difficulty": min_difficulty, "rows_read": rows_read, "rows_kept": int(len(p))}
     return write_splits(out_dir, task, splits, seed, extra, overwrite)

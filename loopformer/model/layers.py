@@ -120,7 +120,7 @@ class Attention(nn.Module):
             qk = F.linear(x, w[: 2 * inner], None if b is None else b[: 2 * inner])
             v = F.linear(v_input, w[2 * inner:], None if b is None else b[2 * inner:])
             qkv = torch.cat([qk, v], dim=-1)
-        q, k, v = qkv.view(B, T, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)   # 3 × [B,H,T,Dh]
+        q, k, v = (z.view(B, T, self.h, self.dh).transpose(1, 2) for z in qkv.split(inner, dim=-1))  # [B,H,T,Dh]
         if cache is not None:
             k, v = cache.update(slot, k, v)                                     # [B,H,S,Dh]
         dropout = self.p_drop if self.training else 0.0

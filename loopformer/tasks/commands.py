@@ -93,7 +93,8 @@ def _import(args) -> int:
     manifest = import_sudoku(args.csv, args.layout, args.out, n_test=args.test, n_train=args.train, seed=args.seed,
                              min_difficulty=args.min_difficulty, overwrite=args.force)
     print(f"wrote {args.out}: sudoku from {args.layout} file {args.csv} ({manifest['rows_read']} rows read"
-          + (f", difficulty >= {args.min_difficulty}" if args.min_difficulty is not None else "")
+          + (f", {manifest['rows_kept']} with difficulty >= {args.min_difficulty}"
+             if args.min_difficulty is not None else "")
           + f"), train {manifest['counts']['train']}, test {manifest['counts']['test']} "
           f"({time.perf_counter() - t0:.1f} s)")
     return 0

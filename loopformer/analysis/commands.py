@@ -1,0 +1,96 @@
+"""Command-line front-end of the measurements on trained models:
+
+    loopformer analyze continuity CKPT [CKPT ...] --data DIR [--out DIR] [--split val] [--samples 16]
+                                  [--length 128] [--scales 1e-3,1e-2,1e-1,1] [--power-iters 20]
+
+prints the continuity table (paper Sec. 3.2 moduli, App. D continuity coefficients; `loopformer.analysis.continuity`)
+and writes DIR/continuity.md, continuity.json and continuity.png. Several checkpoints (e.g. looped vs TMLT trained on
+the perturbed corpus) are measured on the same windows and shown side by side.
+"""
+
+from __future__ import annotations
+
+import os
+
+from loopformer.errors import UserError
+
+
+def register(subparsers) -> None:
+    an = subparsers.add_parser("analyze", help="measurements on trained models",
+                               description="Measurements on trained models.")
+    sub = an.add_subparsers(dest="analyze_command", metavar="ANALYSIS")
+    p = sub.add_parser("continuity", help="continuity coefficients of output vs input embeddings",
+                       description="How far the output embeddings move per unit of input perturbation (Gaussian "
+                                   "noise on the input embeddings, single-token substitutions, local Lipschitz "
+                                   "constant), as a markdown table and a PNG plot.")
+    p.add_argument("checkpoints", nargs="+", metavar="CKPT")
+    p.add_argument("--data", required=True, metavar="DIR", help="a corpus made by `loopformer text prepare`")
+    p.add_argument("--out", default="continuity_out", metavar="DIR", help="where the table, JSON and plot go")
+    p.add_argument("--split", default="val")
+    p.add_argument("--samples", type=int, default=16, help="windows measured")
+    p.add_argument("--length", type=int, default=128, help="tokens per window (capped at the model's max_len)")
+    p.add_argument("--scales", default="1e-3,1e-2,1e-1,1", help="relative noise scales, comma-separated")
+    p.add_argument("--power-iters", type=int, default=20, help="power-iteration steps for ||J||_2 (0: skip)")
+    p.add_argument("--output", choices=["hidden", "normed"], default="hidden",
+                   help="output embeddings: the last residual stream (hidden) or after the final norm")
+    p.add_argument("--loops", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_continuity)
+    an.set_defaults(func=lambda args: (an.print_help(), 2)[1])
+
+
+def _parse_scales(text: str) -> tuple[float, ...]:
+    try:
+        scales = tuple(float(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise UserError(f"--scales must be comma-separated numbers (got {text!r})") from None
+    if not scales or any(s <= 0 for s in scales):
+        raise UserError(f"--scales must be positive numbers (got {text!r})")
+    return scales
+
+
+def _names(paths: list[str]) -> list[str]:
+    names = []
+    for p in paths:
+        base = os.path.basename(os.path.normpath(p)) or p
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}#{k}", k + 1
+        names.append(name)
+    return names
+
+
+def _continuity(args) -> int:
+    from loopformer.analysis.continuity import (ContinuityConfig, continuity_of_checkpoint, plot, to_markdown,
+                                                write_json, write_text)
+    from loopformer.text.commands import default_device, load_model
+    from loopformer.text.dataset import TokenCorpus
+
+    for c in args.checkpoints:
+        if not os.path.isdir(c):
+            raise UserError(f"checkpoint not found: {c}")
+    corpus = TokenCorpus(args.data)
+    tokens = corpus.tokens(args.split)
+    cfg = ContinuityConfig(samples=args.samples, length=args.length, scales=_parse_scales(args.scales),
+                           power_iters=args.power_iters, seed=args.seed, protect=corpus.eot_id)
+    device = default_device(args.device)
+    reports = {}
+    for name, path in zip(_names(args.checkpoints), args.checkpoints):
+        model = load_model(path, device)
+        if model.config.vocab_size < corpus.vocab_size:
+            raise UserError(f"{path}: vocabulary {model.config.vocab_size} is smaller than the corpus's "
+                            f"{corpus.vocab_size}; was it trained on {args.data}?")
+        reports[name] = continuity_of_checkpoint(model, tokens, corpus.vocab_size, cfg, loops=args.loops,
+                                                 output=args.output, progress=not args.quiet)
+    table = to_markdown(reports)
+    print(table, end="")
+    os.makedirs(args.out, exist_ok=True)
+    write_text(table, os.path.join(args.out, "continuity.md"))
+    write_json(reports, os.path.join(args.out, "continuity.json"),
+               extra={"checkpoints": dict(zip(reports, args.checkpoints)), "data": args.data, "split": args.split,
+                      "output": args.output, "loops": args.loops, "seed": args.seed})
+    plot(reports, os.path.join(args.out, "continuity.png"))
+    print(f"wrote {os.path.join(args.out, 'continuity.md')}, continuity.json, continuity.png")
+    return 0

@@ -1,0 +1,238 @@
+"""Result tables and plots from finished runs, in the layout of the paper's Table 2.
+
+    | Task    | Standard L=6 | Looped r=4 | r=8 | ... | w/ Timestep r=4 | r=8 | ... |
+
+one row per task, the headline metric in % for accuracies (as in the paper) and as-is for errors / perplexities;
+cells with several runs (seeds) show their mean. Files written into the sweep folder:
+
+    table.md        the markdown table (and a line per task on the metric)
+    table.csv       the same table
+    runs.csv        one row per run: task, variant, layers, loops, metric, value, parameters, steps, time, folder
+    loops.png       the metric against the loop count r: one line per variant, the standard Transformer as a
+                    dashed level (one panel per task)
+    loopwise.png    the metric after each loop t = 1..R of every looped run (the trained r marked): extrapolation
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+from loopformer.errors import UserError
+
+VARIANT_TITLES = {"standard": "Standard", "looped": "Looped", "tmlt": "w/ Timestep"}
+_TASK_TITLES = {"lcs": "LCS", "edit_distance": "ED", "sudoku": "Sudoku", "countdown": "Countdown", "icl": "ICL",
+                "text": "LM"}
+
+
+def find_runs(folder: str | os.PathLike) -> list[dict]:
+    """results.json of every finished run under `folder` (a sweep folder, a run folder, or a folder of runs)."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise UserError(f"not a folder: {root}")
+    out = []
+    for f in sorted(root.rglob("results.json")):
+        if "checkpoint" in f.parts:
+            continue
+        try:
+            r = json.loads(f.read_text())
+        except json.JSONDecodeError:
+            raise UserError(f"{f} is not valid JSON") from None
+        r["_dir"] = str(f.parent)
+        out.append(r)
+    return out
+
+
+def task_label(task: dict) -> str:
+    name = task.get("name", "?")
+    title = _TASK_TITLES.get(name, name)
+    opts = task.get("options") or {}
+    if name in ("lcs", "edit_distance") and "length" in opts:
+        return f"{title} ({opts['length']})"
+    if name == "icl":
+        return f"{title} ({opts.get('function_class', '')})"
+    return title
+
+
+def _value(r: dict) -> float:
+    return float(r["test"][r["metric"]])
+
+
+def _fmt(v: float, metric: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if metric == "accuracy":
+        return f"{100 * v:.1f}"
+    return f"{v:.3g}"
+
+
+def organise(runs: list[dict]) -> dict[str, Any]:
+    """{task: {"metric", "cells": {(variant, size): [values]}}} with size = L for standard, r otherwise."""
+    tasks: dict[str, dict] = {}
+    for r in runs:
+        label = task_label(r.get("task", {}))
+        t = tasks.setdefault(label, {"metric": r["metric"], "higher": r.get("higher_is_better", True),
+                                     "cells": defaultdict(list)})
+        variant = r["variant"]
+        size = r["n_layers"] if variant == "standard" else r["loops"]
+        t["cells"][(variant, size)].append(_value(r))
+    return tasks
+
+
+def _columns(tasks: dict) -> list[tuple[str, int]]:
+    cols = set()
+    for t in tasks.values():
+        cols.update(t["cells"].keys())
+    order = {"standard": 0, "looped": 1, "tmlt": 2}
+    return sorted(cols, key=lambda c: (order.get(c[0], 9), c[1]))
+
+
+def _mean(vals: list[float]) -> float:
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def table(runs: list[dict]) -> tuple[str, str]:
+    """(markdown, csv) in the layout of Table 2."""
+    if not runs:
+        raise UserError("no finished runs found (no results.json)")
+    tasks = organise(runs)
+    cols = _columns(tasks)
+    heads = []
+    prev = None
+    for variant, size in cols:
+        key = "L" if variant == "standard" else "r"
+        heads.append(f"{VARIANT_TITLES.get(variant, variant)} {key}={size}" if variant != prev else f"{key}={size}")
+        prev = variant
+    md = ["| Task | " + " | ".join(heads) + " |", "|---|" + "---|" * len(cols)]
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["task", "metric"] + [f"{VARIANT_TITLES.get(v, v)} {'L' if v == 'standard' else 'r'}={s}"
+                                     for v, s in cols])
+    notes = []
+    for label, t in tasks.items():
+        vals = [_mean(t["cells"].get(c, [])) for c in cols]
+        md.append(f"| {label} | " + " | ".join(_fmt(v, t["metric"]) if c in t["cells"] else ""
+                                               for v, c in zip(vals, cols)) + " |")
+        w.writerow([label, t["metric"]] + ["" if c not in t["cells"] else f"{v:.6g}" for v, c in zip(vals, cols)])
+        unit = " (%)" if t["metric"] == "accuracy" else ""
+        arrow = "↑" if t["higher"] else "↓"
+        seeds = max(len(v) for v in t["cells"].values())
+        notes.append(f"{label}: test {t['metric']}{unit} {arrow}" + (f", mean of up to {seeds} seeds" if seeds > 1
+                                                                     else ""))
+    return "\n".join(md + [""] + notes) + "\n", buf.getvalue()
+
+
+def runs_csv(runs: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["task", "variant", "n_layers", "loops", "metric", "value", "params", "steps", "train_time_s",
+                "seed", "run"])
+    for r in sorted(runs, key=lambda r: (task_label(r.get("task", {})), r["variant"], r["n_layers"], r["loops"])):
+        w.writerow([task_label(r.get("task", {})), r["variant"], r["n_layers"], r["loops"], r["metric"],
+                    f"{_value(r):.6g}", r.get("params", ""), r.get("steps", ""),
+                    f"{r.get('train_time_s', float('nan')):.1f}", r.get("seed", ""), r["_dir"]])
+    return buf.getvalue()
+
+
+def _scale(metric: str):
+    return (lambda v: 100 * v) if metric == "accuracy" else (lambda v: v)
+
+
+def plot_loops(runs: list[dict], path: str | os.PathLike) -> Path:
+    """The metric against r, one line per variant, the standard Transformer(s) as dashed levels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = organise(runs)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 3.8), squeeze=False)
+    colors = {"looped": "tab:blue", "tmlt": "tab:red"}
+    for ax, (label, t) in zip(axes[0], tasks.items()):
+        sc = _scale(t["metric"])
+        for variant in ("looped", "tmlt"):
+            pts = sorted((s, _mean(v)) for (var, s), v in t["cells"].items() if var == variant)
+            if pts:
+                ax.plot([p[0] for p in pts], [sc(p[1]) for p in pts], marker="o", color=colors[variant],
+                        label=VARIANT_TITLES[variant])
+        for i, ((var, s), v) in enumerate(sorted((k, v) for k, v in t["cells"].items() if k[0] == "standard")):
+            ax.axhline(sc(_mean(v)), color="gray", linestyle="--" if i == 0 else ":", label=f"Standard L={s}")
+        loops = sorted({s for (var, s) in t["cells"] if var != "standard"})
+        if loops and max(loops) / max(min(loops), 1) >= 4:
+            ax.set_xscale("log", base=2)
+        if loops:
+            ax.set_xticks(loops)
+            ax.set_xticklabels([str(r) for r in loops])
+        ax.set_xlabel("loops r")
+        ax.set_ylabel(f"test {t['metric']}" + (" (%)" if t["metric"] == "accuracy" else ""))
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_loopwise(runs: list[dict], path: str | os.PathLike) -> Optional[Path]:
+    """The metric after each loop t of every looped run, its trained r marked; None when no run has a curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in runs if r.get("loopwise") and r["variant"] != "standard"]
+    if not runs:
+        return None
+    labels = sorted({task_label(r.get("task", {})) for r in runs})
+    fig, axes = plt.subplots(1, len(labels), figsize=(5.2 * len(labels), 3.8), squeeze=False)
+    cmap = {"looped": plt.get_cmap("Blues"), "tmlt": plt.get_cmap("Reds")}
+    for ax, label in zip(axes[0], labels):
+        group = sorted((r for r in runs if task_label(r.get("task", {})) == label),
+                       key=lambda r: (r["variant"], r["loops"]))
+        rs = sorted({r["loops"] for r in group})
+        for r in group:
+            sc = _scale(r["metric"])
+            shade = 0.4 + 0.6 * (rs.index(r["loops"]) + 1) / len(rs)
+            c = cmap.get(r["variant"], plt.get_cmap("Greens"))(shade)
+            xs = [p["loop"] for p in r["loopwise"]]
+            ys = [sc(p[r["metric"]]) for p in r["loopwise"]]
+            ax.plot(xs, ys, color=c, label=f"{VARIANT_TITLES.get(r['variant'], r['variant'])} r={r['loops']}")
+            ax.plot([r["loops"]], [ys[r["loops"] - 1]], marker="o", color=c)
+        metric = group[0]["metric"]
+        ax.set_xlabel("loop t (dot: trained r)")
+        ax.set_ylabel(f"test {metric}" + (" (%)" if metric == "accuracy" else ""))
+        ax.set_title(f"{label}: metric after each loop")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = None) -> dict[str, Any]:
+    """Write table.md, table.csv, runs.csv, loops.png, loopwise.png into `out` (default: `folder`)."""
+    runs = find_runs(folder)
+    md, tab = table(runs)
+    dest = Path(out or folder)
+    dest.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, text in (("table.md", md), ("table.csv", tab), ("runs.csv", runs_csv(runs))):
+        tmp = dest / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, dest / name)
+        written[name] = dest / name
+    written["loops.png"] = plot_loops(runs, dest / "loops.png")
+    lw = plot_loopwise(runs, dest / "loopwise.png")
+    if lw is not None:
+        written["loopwise.png"] = lw
+    return {"markdown": md, "files": written, "runs": len(runs)}

@@ -1,0 +1,200 @@
+"""Sweeps: one run per point of a grid of config overrides, plus baseline runs — the experiments of Table 2.
+
+    loopformer sweep configs/cpu/lcs.yaml --grid model.loops=2,4,8 model.timestep=false,true \\
+        --baseline model.n_layers=4 model.loops=1 --out sweeps/lcs
+
+Each run lives in `OUT/runs/<name>` (name from its overrides, e.g. `loops=4_timestep=true`), is skipped when it
+has finished (`results.json`) and resumed from its checkpoint when it was interrupted, so re-running a sweep
+completes it. With `jobs > 1` runs go to parallel worker processes (each with `threads` CPU threads) under one
+progress bar weighted by compute (steps × loops × layers); afterwards `loopformer.eval.report` writes the table
+and plots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from tqdm.auto import tqdm
+
+from loopformer.errors import UserError
+
+RUNS = "runs"
+
+
+@dataclass
+class RunSpec:
+    name: str
+    overrides: list[str]
+    out_dir: Path
+    cost: float = 1.0                 # steps × loops × layers (for the progress bar and scheduling)
+    steps: int = 1
+    baseline: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
+    """["model.loops=2,4", "model.timestep=false,true"] → [("model.loops", ["2", "4"]), ...]."""
+    grid = []
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"--grid entry {item!r} is not of the form key=v1,v2,...")
+        key, vals = item.split("=", 1)
+        values = [v.strip() for v in vals.split(",") if v.strip()]
+        if not key or not values:
+            raise UserError(f"--grid entry {item!r} needs a key and at least one value")
+        grid.append((key.strip(), values))
+    return grid
+
+
+def _short(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def run_name(overrides: list[str], prefix: str = "") -> str:
+    parts = [f"{_short(k)}={v}" for k, v in (o.split("=", 1) for o in overrides)]
+    name = "_".join(parts) or "default"
+    name = "".join(c if c.isalnum() or c in "=-_.," else "-" for c in name)
+    return f"{prefix}{name}"
+
+
+def expand(grid: list[tuple[str, list[str]]], baseline: list[str], out: Path) -> list[RunSpec]:
+    """The runs of a sweep: the baseline (if any) first, then the grid's cartesian product."""
+    specs = []
+    if baseline:
+        name = run_name(baseline, "baseline_")
+        specs.append(RunSpec(name, list(baseline), out / RUNS / name, baseline=True))
+    keys = [k for k, _ in grid]
+    for combo in itertools.product(*[vals for _, vals in grid]):
+        ovs = [f"{k}={v}" for k, v in zip(keys, combo)]
+        name = run_name(ovs)
+        specs.append(RunSpec(name, ovs, out / RUNS / name))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise UserError("two runs of the sweep would share a folder name; make the grid values distinct")
+    return specs
+
+
+def _prepare(config: Optional[str], specs: list[RunSpec], overrides: list[str]) -> None:
+    """Check every run's config (a bad one fails before anything runs) and estimate its cost."""
+    from loopformer.train.config import load_run_config
+    from loopformer.train.data import steps_for
+
+    for s in specs:
+        cfg = load_run_config(config, [*overrides, *s.overrides, f"out_dir={s.out_dir}", f"name={s.name}"])
+        n_train = cfg.task.n_train if cfg.task.name not in ("icl", "text") else None
+        s.steps = steps_for(cfg.train.steps, cfg.train.epochs, n_train, cfg.train.batch_size)
+        s.cost = float(s.steps * cfg.model.loops * cfg.model.n_layers)
+
+
+def _done(spec: RunSpec) -> bool:
+    return (spec.out_dir / "results.json").is_file()
+
+
+def _progress_of(spec: RunSpec) -> int:
+    """Steps finished so far by a running (or finished) run, from its metrics log."""
+    from loopformer.train.trainer import read_metrics
+
+    if _done(spec):
+        return spec.steps
+    steps = [r.get("step", 0) for r in read_metrics(spec.out_dir) if r.get("split") == "train"]
+    return max(steps, default=0)
+
+
+def _command(config: Optional[str], spec: RunSpec, overrides: list[str], threads: int) -> list[str]:
+    cmd = [sys.executable, "-m", "loopformer.cli", "train"]
+    extra = [f"threads={threads}"] if threads else []
+    if (spec.out_dir / "checkpoint" / "training_state.pt").is_file():
+        return cmd + extra + ["--resume", str(spec.out_dir), "--quiet"]
+    if config:
+        cmd.append(str(config))
+    return cmd + [*overrides, *spec.overrides, f"out_dir={spec.out_dir}", f"name={spec.name}", *extra, "--quiet"]
+
+
+def _run_inprocess(config: Optional[str], spec: RunSpec, overrides: list[str], threads: int,
+                   progress: bool) -> None:
+    from loopformer.train.config import load_run_config
+    from loopformer.train.trainer import load_for_resume, train
+
+    resume = (spec.out_dir / "checkpoint" / "training_state.pt").is_file()
+    if resume:
+        cfg = load_for_resume(spec.out_dir, [f"threads={threads}"] if threads else [])
+    else:
+        cfg = load_run_config(config, [*overrides, *spec.overrides, f"out_dir={spec.out_dir}", f"name={spec.name}"]
+                              + ([f"threads={threads}"] if threads else []))
+    train(cfg, resume=resume, progress=progress)
+
+
+def run_sweep(config: Optional[str], grid: list[tuple[str, list[str]]], baseline: list[str], out: str | os.PathLike,
+              overrides: list[str] = (), jobs: int = 1, threads: int = 0, progress: bool = True,
+              desc: str = "sweep") -> list[RunSpec]:
+    """Run (or complete) a sweep; returns its runs. Raises UserError naming the runs that failed."""
+    out = Path(out)
+    overrides = list(overrides)
+    for ov in overrides:
+        if ov.split("=", 1)[0] in ("out_dir", "name"):
+            raise UserError("out_dir and name are set per run by the sweep; use --out for the sweep folder")
+    specs = expand(grid, baseline, out)
+    _prepare(config, specs, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [s for s in specs if not _done(s)]
+    if progress and len(todo) < len(specs):
+        print(f"{desc}: {len(specs) - len(todo)} of {len(specs)} runs already finished, skipped", file=sys.stderr)
+    if jobs <= 1:
+        for i, s in enumerate(todo):
+            if progress:
+                print(f"{desc}: run {i + 1}/{len(todo)}: {s.name}", file=sys.stderr)
+            _run_inprocess(config, s, overrides, threads, progress)
+        return specs
+    _run_parallel(config, todo, specs, overrides, jobs, threads, progress, desc, out)
+    return specs
+
+
+def _run_parallel(config, todo: list[RunSpec], specs: list[RunSpec], overrides, jobs: int, threads: int,
+                  progress: bool, desc: str, out: Path) -> None:
+    """Worker processes, at most `jobs` at a time, costliest first; one progress bar over all runs."""
+    queue = sorted(todo, key=lambda s: -s.cost)
+    total = sum(s.cost for s in specs)
+    env = dict(os.environ)
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    log_dir = out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    running: dict[str, tuple[subprocess.Popen, RunSpec, object]] = {}
+    failed: list[str] = []
+    bar = tqdm(total=round(total), desc=desc, disable=not progress, unit="step·loop", dynamic_ncols=True)
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                s = queue.pop(0)
+                fh = open(log_dir / f"{s.name}.log", "w")
+                proc = subprocess.Popen(_command(config, s, overrides, threads), stdout=fh, stderr=subprocess.STDOUT,
+                                        env=env)
+                running[s.name] = (proc, s, fh)
+            time.sleep(1.0)
+            for name in list(running):
+                proc, s, fh = running[name]
+                if proc.poll() is not None:
+                    fh.close()
+                    if proc.returncode != 0:
+                        failed.append(f"{name} (exit {proc.returncode}; see {log_dir / (name + '.log')})")
+                    del running[name]
+            done = sum(s.cost * min(_progress_of(s), s.steps) / max(s.steps, 1) for s in specs)
+            bar.n = round(done)
+            bar.set_postfix({"runs": f"{sum(_done(s) for s in specs)}/{len(specs)}", "active": len(running)},
+                            refresh=False)
+            bar.refresh()
+    finally:
+        for proc, _, fh in running.values():   # interrupted: stop the workers (they resume on the next call)
+            proc.terminate()
+            proc.wait()
+            fh.close()
+        bar.close()
+    if failed:
+        raise UserError(f"{len(failed)} run(s) failed: {'; '.join(failed)}")

@@ -1,0 +1,186 @@
+"""Command-line front-end of the language-modelling code (paper App. C.3):
+
+    loopformer text prepare {wikitext103,plays,plays:NAME,...,FILE_OR_DIR} --out DIR [--tokenizer gpt2|bpe]
+                            [--vocab-size N] [--perturb 0.1] [--seed S] [--force]
+    loopformer perplexity CKPT --data DIR [--split val] [--stride S] [--estimate]
+    loopformer generate CKPT --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N] [--temperature T]
+                        [--top-k K] [--top-p P] [--seed S]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+from loopformer.errors import UserError
+
+
+def register(subparsers) -> None:
+    # ---- text prepare
+    text = subparsers.add_parser("text", help="language-modelling corpora", description="Language-modelling corpora.")
+    text_sub = text.add_subparsers(dest="text_command", metavar="ACTION")
+    p = text_sub.add_parser(
+        "prepare", help="tokenise a corpus into train/val/test token files",
+        description="Tokenise a corpus into DIR/{train,val,test}.bin with a manifest (re-running is a no-op). "
+                    "SOURCE: wikitext103 (needs `pip install loopformer[text]`), plays (the Shakespeare plays "
+                    "shipped offline; plays:macbeth,hamlet for some), or a text file / folder.")
+    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--tokenizer", choices=["gpt2", "bpe"], default=None,
+                   help="gpt2: GPT-2 BPE via tiktoken (default for wikitext103); bpe: byte-level BPE trained on "
+                        "the train split (default otherwise)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="bpe vocabulary size (default 8192)")
+    p.add_argument("--perturb", type=float, default=0.0, metavar="RATE",
+                   help="replace this fraction of tokens at random (App. D: 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the perturbation")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="file sources: share of each document for val")
+    p.add_argument("--test-fraction", type=float, default=0.05, help="file sources: share for test")
+    p.add_argument("--force", action="store_true", help="rebuild even if DIR holds a different corpus")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_prepare)
+    text.set_defaults(func=lambda args: _need_action(text))
+
+    # ---- perplexity
+    p = subparsers.add_parser(
+        "perplexity", help="perplexity of a checkpoint over a whole split",
+        description="Perplexity over every token of a split, in non-overlapping windows (default) or strided "
+                    "sliding windows (--stride); --estimate adds the authors' random-batch estimate, labelled.")
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--data", required=True, metavar="DIR", help="a corpus made by `loopformer text prepare`")
+    p.add_argument("--split", default="val")
+    p.add_argument("--stride", type=int, default=None, help="window advance (default: the block size)")
+    p.add_argument("--block-size", type=int, default=None, help="window length (default: the model's max_len)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--loops", type=int, default=None, help="loops at inference (default: the model's)")
+    p.add_argument("--estimate", action="store_true", help="also the authors' estimate (random batches)")
+    p.add_argument("--estimate-iters", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0, help="seed of the estimate's batches")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_perplexity)
+
+    # ---- generate
+    p = subparsers.add_parser("generate", help="sample text from a checkpoint",
+                              description="Continue one or more prompts (batched, key/value cache per loop).")
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy decoding")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loops", type=int, default=None)
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="the prepared corpus whose tokenizer to use (default: the one the checkpoint was trained on)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=_generate)
+
+
+def _need_action(parser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _prepare(args) -> int:
+    from loopformer.text.corpus import PrepareOptions, prepare_corpus
+
+    opts = PrepareOptions(tokenizer=args.tokenizer or "auto", vocab_size=args.vocab_size,
+                          val_fraction=args.val_fraction, test_fraction=args.test_fraction,
+                          perturb=args.perturb, seed=args.seed)
+    prepare_corpus(args.source, args.out, opts, force=args.force, progress=not args.quiet)
+    return 0
+
+
+def default_device(name: Optional[str]) -> str:
+    import torch
+
+    if name:
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"--device {name}: CUDA is not available")
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(path: str, device: str, **overrides):
+    """A checkpoint folder -> model in eval mode (`loopformer.load`)."""
+    import loopformer
+
+    loader = getattr(loopformer, "load", None)
+    if loader is None:
+        from loopformer.model.io import load as loader
+    if not os.path.exists(path):
+        raise UserError(f"checkpoint not found: {path}")
+    return loader(path, device=device, **overrides)
+
+
+def checkpoint_data_dir(path: str) -> Optional[str]:
+    """The corpus folder a text checkpoint was trained on (recorded under "task" in its config.json)."""
+    from loopformer.model.io import read_config
+
+    _, extra = read_config(path)
+    task = extra.get("task") or {}
+    d = task.get("data_dir") if isinstance(task, dict) else None
+    return d if d and os.path.isfile(os.path.join(d, "manifest.json")) else None
+
+
+def _check_vocab(model, corpus) -> None:
+    if model.config.vocab_size < corpus.vocab_size:
+        raise UserError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the corpus's "
+                        f"({corpus.vocab_size}); was it trained on this corpus?")
+
+
+def _perplexity(args) -> int:
+    from loopformer.text.dataset import TokenCorpus
+    from loopformer.text.perplexity import estimate_perplexity, perplexity
+
+    corpus = TokenCorpus(args.data)
+    tokens = corpus.tokens(args.split)
+    model = load_model(args.checkpoint, default_device(args.device))
+    _check_vocab(model, corpus)
+    T = args.block_size or model.config.max_len
+    if T > model.config.max_len and model.config.pos == "learned":
+        raise UserError(f"--block-size {T} exceeds the model's max_len {model.config.max_len}")
+    res = perplexity(model, tokens, T, args.stride, args.batch_size, loops=args.loops, progress=not args.quiet,
+                     desc=f"perplexity ({args.split})")
+    results = {"split": args.split, "data": args.data, "checkpoint": args.checkpoint, "perplexity": res.to_dict()}
+    print(f"{args.split} perplexity {res.ppl:.3f}  (nll {res.nll:.4f} nats/token; {res.description})")
+    if args.estimate:
+        est = estimate_perplexity(model, tokens, T, args.batch_size, args.estimate_iters, args.seed,
+                                  loops=args.loops, progress=not args.quiet)
+        results["estimate"] = est.to_dict()
+        print(f"{args.split} estimate   {est.ppl:.3f}  (nll {est.nll:.4f}; {est.description})")
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, args.json)
+    return 0
+
+
+def _generate(args) -> int:
+    from loopformer.text.dataset import TokenCorpus
+    from loopformer.text.generate import SamplingConfig, generate_text
+
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed, loops=args.loops)
+    if not os.path.isdir(args.checkpoint):
+        raise UserError(f"checkpoint not found: {args.checkpoint}")
+    data = args.data or checkpoint_data_dir(args.checkpoint)
+    if data is None:
+        raise UserError("cannot tell which tokenizer this checkpoint uses; pass --data DIR (its prepared corpus)")
+    tokenizer = TokenCorpus(data).tokenizer()
+    model = load_model(args.checkpoint, default_device(args.device))
+    texts = generate_text(model, tokenizer, args.prompt, cfg, use_cache=not args.no_cache)
+    for prompt, text in zip(args.prompt, texts):
+        if len(args.prompt) > 1:
+            print(f"--- {prompt!r}")
+        sys.stdout.write(prompt + text + "\n")
+    return 0
+
+
+__all__ = ["register", "load_model", "default_device", "checkpoint_data_dir"]

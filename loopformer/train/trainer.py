@@ -1,0 +1,409 @@
+"""The training loop: one function, `train(cfg)`, for every task, model variant and launch (1 process or torchrun).
+
+Recipe (paper App. C.1.3 / C.2 / C.3, set by the run config): AdamW, warm-up then linear or cosine decay, gradient
+clipping and accumulation, the loss on the last loop, on every loop or on a window of the last loops, optional
+loop / in-context curricula, periodic evaluation with a checkpoint each time, and a final loop-wise evaluation.
+
+Exact resumption: the global batch of step s is a pure function of (data seed, s) (see `loopformer.train.data`),
+the learning rate a pure function of s, and the checkpoint holds the weights, the optimiser state, every
+process's RNG state and s — so `--resume` after a crash continues exactly where the last checkpoint left off, and
+the metrics log is cut back to that step.
+
+The run folder (`out_dir`):
+    config.yaml       the resolved run config (what `--resume` reloads)
+    run.json          provenance: config, seed, git commit, package versions, command line, world size, device
+    metrics.jsonl     one JSON object per line: {"split": "train"|"test", "step": s, ...}
+    checkpoint/       the latest checkpoint (model.safetensors, config.json, training_state.pt)
+    results.json      written last: final test metrics, loop-wise curve, parameter count, time
+    tb/               TensorBoard events (when the tensorboard package is installed)
+Shapes: B batch, T length, R loops, C classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from loopformer.configio import to_dict
+from loopformer.errors import UserError
+from loopformer.model.io import load_training_state, save_checkpoint, unwrap
+from loopformer.model.looped import LoopedTransformer
+from loopformer.train.config import RunConfig, load_run_config
+from loopformer.train.data import DataSource, make_data, steps_for
+from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
+from loopformer.train.optim import loops_at, loss_loops, lr_at, make_optimizer, summed_loss
+
+CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR = (
+    "config.yaml", "run.json", "metrics.jsonl", "results.json", "checkpoint")
+
+
+# ------------------------------------------------------------------------------------------------- run folder
+def git_commit(path: str | os.PathLike = ".") -> Optional[dict]:
+    """{"commit", "dirty"} of the git checkout holding `path`, or None outside one."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+        return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("loopformer", "torch", "numpy", "omegaconf", "safetensors", "numba"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def config_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_results(run_dir: str | os.PathLike) -> Optional[dict]:
+    f = Path(run_dir) / RESULTS_FILE
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    f = Path(run_dir) / METRICS_FILE
+    if not f.is_file():
+        return []
+    out = []
+    for line in f.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:   # a line cut by a kill
+                break
+    return out
+
+
+class MetricsLog:
+    """metrics.jsonl (rank 0), mirrored to TensorBoard / Weights & Biases when those are installed and enabled."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, keep_until: Optional[int], enabled: bool):
+        self.enabled = enabled
+        self.path = run_dir / METRICS_FILE
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        if keep_until is not None:   # resuming: drop what was logged after the checkpoint
+            kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= keep_until]
+            _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self.fh = open(self.path, "a")
+        if cfg.log.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:  # tensorboard not installed
+                self.tb = None
+        if cfg.log.wandb:
+            try:
+                import wandb
+
+                self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.name, config=to_dict(cfg),
+                                        dir=str(run_dir), resume="allow")
+            except Exception:  # wandb not installed or not logged in
+                self.wandb = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.fh.write(json.dumps(record) + "\n")
+        self.fh.flush()
+        split, step = record.get("split", "train"), record.get("step", 0)
+        scalars = {f"{split}/{k}": v for k, v in record.items()
+                   if k not in ("split", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.fh.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def autocast_for(cfg: RunConfig, device: torch.device) -> tuple[Callable[[], Any], bool]:
+    """(context factory, needs a gradient scaler) for the configured precision on `device`."""
+    prec = cfg.train.precision
+    if prec == "auto":
+        prec = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if prec == "fp32":
+        return contextlib.nullcontext, False
+    dtype = torch.bfloat16 if prec == "bf16" else torch.float16
+    if prec == "fp16" and device.type != "cuda":
+        raise UserError("train.precision=fp16 needs a CUDA device (use bf16 or fp32)")
+    return (lambda: torch.autocast(device.type, dtype=dtype)), prec == "fp16"
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def resolve_resume(path: str | os.PathLike) -> Path:
+    """The run folder of `--resume PATH` (PATH may be the run folder or its checkpoint folder)."""
+    p = Path(path)
+    if (p / CONFIG_FILE).is_file():
+        return p
+    if p.name == CKPT_DIR and (p.parent / CONFIG_FILE).is_file():
+        return p.parent
+    raise UserError(f"cannot resume from {p}: no {CONFIG_FILE} there (not a loopformer run folder)")
+
+
+def load_for_resume(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
+    """The stored config of a run folder, with `overrides` applied (e.g. a longer `train.steps`)."""
+    run_dir = resolve_resume(path)
+    cfg = load_run_config(run_dir / CONFIG_FILE, list(overrides))
+    cfg.out_dir = str(run_dir)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------- training
+def train(cfg: RunConfig, *, resume: bool = False, on_step: Optional[Callable[[int], None]] = None,
+          progress: Optional[bool] = None) -> dict:
+    """Train per `cfg`; returns the final results dict (also written to `out_dir/results.json` by rank 0).
+
+    resume: continue from `out_dir/checkpoint` (the same run folder). on_step(step) is called after each
+    optimiser step (tests use it to interrupt a run). Under torchrun every process calls this.
+    """
+    d = setup(cfg.device)
+    try:
+        return _train(cfg, d, resume, on_step, progress)
+    finally:
+        teardown()
+
+
+def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
+    tc = cfg.train
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    B = tc.batch_size
+    if B % (d.world * tc.grad_accum):
+        raise UserError(f"train.batch_size={B} must be divisible by processes × grad_accum = "
+                        f"{d.world} × {tc.grad_accum}")
+    run_dir = Path(cfg.out_dir)
+    ckpt_dir = run_dir / CKPT_DIR
+    if d.main:
+        if resume and not (ckpt_dir / "training_state.pt").is_file():
+            raise UserError(f"cannot resume: {ckpt_dir} holds no training state")
+        if not resume and (ckpt_dir.exists() or (run_dir / RESULTS_FILE).exists()):
+            raise UserError(f"{run_dir} already holds a run: resume it with --resume {run_dir} or choose another "
+                            f"out_dir")
+        run_dir.mkdir(parents=True, exist_ok=True)
+    barrier(d)
+
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed % 2 ** 32)
+    data: DataSource = make_data(cfg.task)
+    total = steps_for(tc.steps, tc.epochs, data.n_train, B)
+    model = LoopedTransformer(cfg.model).to(d.device)
+    optimizer = make_optimizer(model, tc)
+    autocast, use_scaler = autocast_for(cfg, d.device)
+    scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
+
+    start = 0
+    state = None
+    if resume:
+        from safetensors.torch import load_model
+
+        load_model(unwrap(model), str(ckpt_dir / "model.safetensors"), device=str(d.device))
+        state = load_training_state(ckpt_dir)
+        optimizer.load_state_dict(state["optimizer"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        start = int(state["step"])
+        rngs = state["rng"]
+        _set_rng_state(rngs[d.rank] if d.rank < len(rngs) else rngs[0], d.device)
+
+    if d.main:
+        _atomic_write(run_dir / CONFIG_FILE, config_yaml(cfg))
+        info = {"name": cfg.name, "config": to_dict(cfg), "seed": cfg.seed, "git": git_commit(),
+                "versions": package_versions(), "command": sys.argv, "world_size": d.world,
+                "device": str(d.device), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "resumed_from_step": start if resume else None, "total_steps": total,
+                "params": unwrap(model).num_params()}
+        _atomic_write(run_dir / RUN_FILE, json.dumps(info, indent=2, default=str) + "\n")
+    log = MetricsLog(run_dir, cfg, start if resume else None, d.main)
+
+    net: torch.nn.Module = model
+    if d.active:
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[d.device] if d.device.type == "cuda"
+                                                        else None)
+    if tc.compile:
+        net = torch.compile(net)
+
+    show = d.main and (cfg.log.progress if progress is None else progress)
+    bar = tqdm(total=total, initial=start, desc=cfg.name, disable=not show, dynamic_ncols=True)
+    train_time = float(state.get("train_time", 0.0)) if state else 0.0
+    acc_loss = acc_correct = acc_count = acc_tokens = 0.0
+    window_t0 = time.perf_counter()
+    last_eval = None
+    is_text_or_tokens = data.kind in ("tokens", "text")
+
+    def checkpoint(step: int) -> None:
+        rngs = gather_objects(d, _rng_state(d.device))
+        if d.main:
+            save_checkpoint(ckpt_dir, model, run=to_dict(cfg), task=data.describe(),
+                            training_state={"step": step, "optimizer": optimizer.state_dict(),
+                                            "scaler": scaler.state_dict() if scaler else None,
+                                            "rng": rngs, "train_time": train_time, "total_steps": total})
+        barrier(d)
+
+    def evaluation(step: int, final: bool) -> Optional[dict]:
+        from loopformer.eval.evaluate import evaluate
+
+        res = None
+        if d.main:
+            max_loops = (cfg.eval.max_loops or 2 * cfg.model.loops) if final and cfg.eval.loopwise else 0
+            res = evaluate(model, data, loops=cfg.model.loops, max_loops=max_loops, batch_size=cfg.eval.batch_size,
+                           limit=cfg.eval.n, loopwise=final and cfg.eval.loopwise, device=d.device,
+                           autocast=autocast)
+            log.write({"split": "test", "step": step, "loops": res["loops"], **res["metrics"]})
+        return broadcast_object(d, res)
+
+    model.train()
+    for step in range(start, total):
+        t_step = time.perf_counter()
+        lr = lr_at(tc, step, total)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        R = loops_at(tc, step, cfg.model.loops)
+        n_read = loss_loops(tc, R)                               # read-outs in the loss (None: the last one)
+        keys = data.plan(step, B)                                # [B] global batch
+        mine = np.array_split(keys, d.world)[d.rank]
+        micro = [_to(data.fetch(k, step), d.device) for k in np.array_split(mine, tc.grad_accum)]
+        counts = [int((m["targets"] != -100).sum()) if not m["targets"].dtype.is_floating_point
+                  else int(m["weight"].sum()) for m in micro]
+        global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
+        for i, mb in enumerate(micro):
+            sync = i == len(micro) - 1
+            ctx = net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
+            with ctx:
+                with autocast():
+                    out = net(mb["inputs"], loops=R, return_all=n_read is not None)
+                logits = out.logits if n_read is None else out.all_logits[-n_read:]
+                s, _ = summed_loss(logits, mb["targets"], mb.get("weight"))
+                k = 1 if n_read is None else n_read
+                loss = s * (d.world / (global_count * k))
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+            with torch.no_grad():
+                acc_loss += float(s) / k
+                if is_text_or_tokens:
+                    mask = mb["targets"] != -100
+                    acc_correct += float(((out.logits.argmax(-1) == mb["targets"]) & mask).sum())
+                acc_count += counts[i]
+                acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)) if tc.grad_clip > 0 \
+            else float("nan")
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        train_time += time.perf_counter() - t_step
+        done = step + 1
+        bar.update(1)
+
+        if done % tc.log_every == 0 or done == total:
+            loss_sum, correct, count, tokens = all_sum(d, [acc_loss, acc_correct, acc_count, acc_tokens])
+            now = time.perf_counter()
+            rec = {"split": "train", "step": done, "loss": loss_sum / max(count, 1.0), "lr": lr, "loops": R,
+                   "grad_norm": gnorm, "tokens_per_s": tokens / max(now - window_t0, 1e-9),
+                   "train_time": train_time}
+            if is_text_or_tokens:
+                rec["accuracy"] = correct / max(count, 1.0)
+            if not math.isfinite(rec["loss"]):
+                raise UserError(f"the loss became {rec['loss']} at step {done}; lower train.lr or enable clipping")
+            log.write(rec)
+            post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+            if "accuracy" in rec:
+                post["acc"] = f"{rec['accuracy']:.3f}"
+            if last_eval is not None:
+                post[f"test_{data.metric}"] = f"{last_eval['metrics'][data.metric]:.4g}"
+            bar.set_postfix(post, refresh=False)
+            acc_loss = acc_correct = acc_count = acc_tokens = 0.0
+            window_t0 = now
+        if tc.eval_every and done % tc.eval_every == 0 and done < total:
+            last_eval = evaluation(done, final=False)
+            checkpoint(done)
+            window_t0 = time.perf_counter()
+        if on_step is not None:
+            on_step(done)
+    bar.close()
+
+    final = evaluation(total, final=True)
+    checkpoint(total)
+    results = None
+    if d.main:
+        raw = unwrap(model)
+        results = {
+            "name": cfg.name, "task": data.describe(), "variant": cfg.model.variant, "loops": cfg.model.loops,
+            "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep, "d_model": cfg.model.d_model,
+            "params": raw.num_params(), "steps": total, "batch_size": B, "train_time_s": train_time,
+            "metric": final["metric"], "higher_is_better": final["higher_is_better"],
+            "test": final["metrics"], "loopwise": final["loopwise"], "max_loops": final["max_loops"],
+            "world_size": d.world, "device": str(d.device), "seed": cfg.seed,
+        }
+        _atomic_write(run_dir / RESULTS_FILE, json.dumps(results, indent=2, default=float) + "\n")
+    log.close()
+    return broadcast_object(d, results)

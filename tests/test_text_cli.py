@@ -1,0 +1,96 @@
+"""The text commands end to end on a tiny corpus and checkpoint; user errors are one line with exit status 2."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from loopformer.cli import main
+from loopformer.model import LoopedTransformer, ModelConfig
+from loopformer.model.io import save_checkpoint
+from loopformer.text.dataset import TokenCorpus
+from loopformer.text.perplexity import perplexity
+
+WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
+
+
+@pytest.fixture()
+def setup(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    (tmp_path / "hamlet.txt").write_text("".join(" ".join(rng.choice(WORDS, 7)) + "\n" for _ in range(150)))
+    assert main(["text", "prepare", str(tmp_path / "hamlet.txt"), "--out", str(tmp_path / "data"),
+                 "--vocab-size", "280", "--quiet"]) == 0
+    corpus = TokenCorpus(tmp_path / "data")
+    torch.manual_seed(0)
+    model = LoopedTransformer(ModelConfig(vocab_size=corpus.vocab_size, max_len=24, d_model=16, n_heads=2, loops=2,
+                                          timestep=True))
+    for blk in model.blocks:
+        torch.nn.init.normal_(blk.modulation.weight, 0, 0.3)
+    save_checkpoint(tmp_path / "ckpt", model, task={"name": "text", "data_dir": str(tmp_path / "data")})
+    save_checkpoint(tmp_path / "bare", model)
+    capsys.readouterr()
+    return tmp_path, corpus, model
+
+
+def one_line_error(capsys, needle):
+    err = capsys.readouterr().err
+    assert err.startswith("loopformer: error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_prepare_cli(tmp_path, capsys):
+    assert main(["text", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "out")]) == 2
+    one_line_error(capsys, "missing.txt")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "a.txt").write_text("".join(f"line {i} of the text\n" for i in range(60)))
+    args = ["text", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), "--vocab-size", "270",
+            "--quiet"]
+    assert main(args) == 0 and "prepared" in capsys.readouterr().out
+    assert main(args) == 0 and "up to date" in capsys.readouterr().out
+    assert main(args[:-3] + ["--vocab-size", "300", "--quiet"]) == 2
+    one_line_error(capsys, "--force")
+    assert main(args + ["--perturb", "1.5"]) == 2
+    one_line_error(capsys, "--perturb")
+    assert main(["text"]) == 2
+
+
+def test_perplexity_cli(setup, capsys):
+    tmp_path, corpus, model = setup
+    out_json = tmp_path / "ppl.json"
+    assert main(["perplexity", str(tmp_path / "ckpt"), "--data", str(tmp_path / "data"), "--split", "test",
+                 "--stride", "8", "--estimate", "--estimate-iters", "3", "--quiet", "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "test perplexity" in printed and "authors' protocol" in printed
+    res = json.loads(out_json.read_text())
+    ref = perplexity(model.eval(), corpus.tokens("test"), 24, 8, progress=False)
+    assert res["perplexity"]["ppl"] == pytest.approx(ref.ppl, rel=1e-5)
+    assert res["perplexity"]["tokens"] == len(corpus.tokens("test")) - 1
+    assert res["estimate"]["method"] == "estimate"
+    assert main(["perplexity", str(tmp_path / "ckpt"), "--data", str(tmp_path / "nowhere")]) == 2
+    one_line_error(capsys, "not a prepared corpus")
+    assert main(["perplexity", str(tmp_path / "nockpt"), "--data", str(tmp_path / "data")]) == 2
+    one_line_error(capsys, "nockpt")
+    assert main(["perplexity", str(tmp_path / "ckpt"), "--data", str(tmp_path / "data"), "--split", "dev"]) == 2
+    one_line_error(capsys, "no 'dev' split")
+    assert main(["perplexity", str(tmp_path / "ckpt"), "--data", str(tmp_path / "data"), "--block-size", "99"]) == 2
+    one_line_error(capsys, "max_len")
+
+
+def test_generate_cli(setup, capsys):
+    tmp_path, corpus, model = setup
+    args = ["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--prompt", "the question whether",
+            "--max-new-tokens", "6", "--top-k", "5", "--seed", "3"]
+    assert main(args) == 0                                        # tokenizer found through the checkpoint's task
+    first = capsys.readouterr().out
+    assert first.count("--- ") == 2 and "\nto be" in first and "\nthe question whether" in first
+    assert main(args) == 0 and capsys.readouterr().out == first  # seeded
+    assert main(args + ["--no-cache"]) == 0 and capsys.readouterr().out == first
+    assert main(["generate", str(tmp_path / "bare"), "--prompt", "to be", "--data", str(tmp_path / "data"),
+                 "--temperature", "0", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("to be")
+    assert main(["generate", str(tmp_path / "bare"), "--prompt", "to be"]) == 2
+    one_line_error(capsys, "--data")
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--max-new-tokens", "100"]) == 2
+    one_line_error(capsys, "context")
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--top-p", "2"]) == 2
+    one_line_error(capsys, "--top-p")
