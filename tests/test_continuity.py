@@ -60,6 +60,20 @@ def test_tokenwise_linear_map_has_its_constant_everywhere():
     assert rep.coefficient == pytest.approx(c, rel=1e-9)
 
 
+def test_theory_moduli_on_the_linear_map():
+    """The worst-case estimators of loopformer.theory reach the known constant and never exceed it."""
+    V, D, T, c = 30, 4, 5, 2.5
+    fmap = TokenwiseLinear(V, D, c)
+    idx = torch.as_tensor(np.random.default_rng(0).integers(0, V, size=(3, T)))
+    cfg = ContinuityConfig(samples=3, length=T, scales=(0.05,), power_iters=0, moduli_samples=32, moduli_steps=5)
+    rep = measure_continuity(fmap, idx, V, cfg, progress=False)
+    assert rep.moduli_delta == pytest.approx(0.05 * rep.input_rms * np.sqrt(T * D))
+    for kind in ("sequence", "token"):
+        assert 0.9 * c <= rep.moduli[kind] <= c * (1 + 1e-9)
+    assert rep.moduli["contextual"] == pytest.approx(0.0, abs=1e-12)
+    assert "worst case ω(δ)/δ · token" in to_markdown({"lin": rep})
+
+
 def test_causal_mixing_map_against_numpy():
     rng = np.random.default_rng(1)
     V, D, T, B = 20, 4, 7, 6

@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("--length", type=int, default=128, help="tokens per window (capped at the model's max_len)")
     p.add_argument("--scales", default="1e-3,1e-2,1e-1,1", help="relative noise scales, comma-separated")
     p.add_argument("--power-iters", type=int, default=20, help="power-iteration steps for ||J||_2 (0: skip)")
+    p.add_argument("--moduli-samples", type=int, default=0,
+                   help="also estimate the worst-case moduli (loopformer.theory.moduli) from this many random "
+                        "pairs plus gradient ascent (0: skip)")
     p.add_argument("--output", choices=["hidden", "normed"], default="hidden",
                    help="output embeddings: the last residual stream (hidden) or after the final norm")
     p.add_argument("--loops", type=int, default=None)
@@ -74,7 +77,8 @@ def _continuity(args) -> int:
     corpus = TokenCorpus(args.data)
     tokens = corpus.tokens(args.split)
     cfg = ContinuityConfig(samples=args.samples, length=args.length, scales=_parse_scales(args.scales),
-                           power_iters=args.power_iters, seed=args.seed, protect=corpus.eot_id)
+                           power_iters=args.power_iters, moduli_samples=args.moduli_samples, seed=args.seed,
+                           protect=corpus.eot_id)
     device = default_device(args.device)
     reports = {}
     for name, path in zip(_names(args.checkpoints), args.checkpoints):

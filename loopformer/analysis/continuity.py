@@ -23,6 +23,8 @@ estimates the ratios ||Δf|| / ||ΔX|| — lower bounds of ω(δ)/δ at δ = ||�
                    token (read at n), contextual (largest change at any other position), sequence (all)
     jacobian       the local Lipschitz constant ||∂f/∂X||_2 at X (power iteration with Jacobian-vector products):
                    the supremum of the sequence ratio as δ -> 0, i.e. the slope of ω_f at 0
+    worst case     optional: the three moduli themselves over the box spanned by the sample embeddings, by the
+                   estimators of `loopformer.theory.moduli` (certified lower bounds of the suprema)
 
 Each is reported as mean / median / max over the samples, as a markdown table and a PNG plot.
 Shapes: B samples, T window length, D width, V vocabulary.
@@ -89,6 +91,8 @@ class ContinuityConfig:
     length: int = 128                      # T tokens per window
     scales: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)   # relative noise scales ρ
     power_iters: int = 20                  # Jacobian power iteration steps (0: skip)
+    moduli_samples: int = 0                # > 0: also the worst-case moduli of loopformer.theory (random pairs ...)
+    moduli_steps: int = 50                 # ... then projected gradient ascent steps), at the smallest scale
     seed: int = 0
     protect: Optional[int] = None          # a token id never substituted in or out (EOT)
 
@@ -97,8 +101,8 @@ class ContinuityConfig:
             raise UserError("continuity needs samples >= 1 and length >= 2")
         if not self.scales or any(s <= 0 for s in self.scales):
             raise UserError("noise scales must be positive")
-        if self.power_iters < 0:
-            raise UserError("power_iters must be >= 0")
+        if self.power_iters < 0 or self.moduli_samples < 0 or self.moduli_steps < 0:
+            raise UserError("power_iters, moduli_samples and moduli_steps must be >= 0")
 
 
 @dataclass
@@ -118,6 +122,8 @@ class ContinuityReport:
     noise: dict[str, dict[str, Stat]] = field(default_factory=dict)   # "1e-2" -> kind -> Stat
     substitution: dict[str, Stat] = field(default_factory=dict)       # kind -> Stat
     jacobian: Optional[Stat] = None
+    moduli: dict[str, float] = field(default_factory=dict)            # kind -> worst-case ω(δ)/δ (theory estimator)
+    moduli_delta: Optional[float] = None
     input_rms: float = 0.0
     positions: list[int] = field(default_factory=list)                # the position n of each sample
     samples: int = 0
@@ -135,7 +141,7 @@ class ContinuityReport:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.pop("raw")
+        d["per_sample"] = d.pop("raw")
         d["coefficient"] = self.coefficient
         return d
 
@@ -230,6 +236,33 @@ def jacobian_norm(fmap: EmbeddingMap, X: torch.Tensor, iters: int = 20, seed: in
     return sigma.cpu().numpy()
 
 
+def theory_moduli(fmap: EmbeddingMap, X: torch.Tensor, delta: float, samples: int = 256, steps: int = 50,
+                  seed: int = 0) -> dict[str, float]:
+    """Worst-case moduli ω^kind(δ) over the box spanned by the sample embeddings X [B,T,D], by the estimators of
+    `loopformer.theory.moduli` (random feasible pairs, then projected gradient ascent): certified lower bounds of
+    the suprema of Definitions 3.3-3.5, reported as ω(δ)/δ. Inputs anywhere in the box, not only real tokens."""
+    from loopformer.theory.moduli import estimate_modulus
+
+    T, D = X.shape[1], X.shape[2]
+    lo, hi = float(X.min()), float(X.max())
+    dtype, device = X.dtype, X.device
+
+    def f(Z):  # [B, d, N] (numpy float64 or torch float64) -> [B, d, N]
+        if isinstance(Z, np.ndarray):
+            with torch.no_grad():
+                out = fmap.apply(torch.as_tensor(Z, device=device).transpose(1, 2).to(dtype))
+            return out.transpose(1, 2).double().cpu().numpy()
+        return fmap.apply(Z.to(device).transpose(1, 2).to(dtype)).transpose(1, 2).double().cpu()
+
+    out = {}
+    names = {"seq": "sequence", "tok": "token", "cont": "contextual"}
+    for kind, name in names.items():
+        est = estimate_modulus(f, delta, kind, D, T, samples=samples, steps=steps, restarts=4, seed=seed, lo=lo,
+                               hi=hi, batch=min(samples, 64))
+        out[name] = est.value / delta
+    return out
+
+
 def measure_continuity(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int,
                        cfg: Optional[ContinuityConfig] = None, progress: bool = True) -> ContinuityReport:
     """All estimates on the sample windows `idx` [B,T]; see the module docstring."""
@@ -242,7 +275,7 @@ def measure_continuity(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int,
         X = fmap.embed(idx).detach()
     rms = float(X.double().pow(2).mean().sqrt())
     rep = ContinuityReport(input_rms=rms, positions=positions.tolist(), samples=B, length=T)
-    steps = len(cfg.scales) + 1 + (1 if cfg.power_iters else 0)
+    steps = len(cfg.scales) + 1 + (1 if cfg.power_iters else 0) + (1 if cfg.moduli_samples else 0)
     with tqdm(total=steps, desc="continuity", disable=not progress) as bar:
         for s in cfg.scales:
             r = noise_ratios(fmap, X, s * rms, gen, positions)
@@ -257,6 +290,11 @@ def measure_continuity(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int,
             j = jacobian_norm(fmap, X, cfg.power_iters, seed=cfg.seed)
             rep.jacobian = Stat.of(j)
             rep.raw["jacobian"] = j.tolist()
+            bar.update(1)
+        if cfg.moduli_samples:
+            # δ = the norm of the smallest noise perturbation of a whole window
+            rep.moduli_delta = min(cfg.scales) * rms * math.sqrt(T * X.shape[2])
+            rep.moduli = theory_moduli(fmap, X, rep.moduli_delta, cfg.moduli_samples, cfg.moduli_steps, cfg.seed)
             bar.update(1)
     return rep
 
@@ -298,10 +336,15 @@ def to_markdown(reports: dict[str, ContinuityReport]) -> str:
             row(f"noise ρ={s} · {k}", lambda r, s=s, k=k: r.noise.get(s, {}).get(k))
     for k in KINDS:
         row(f"substitution · {k}", lambda r, k=k: r.substitution.get(k))
+    if any(r.moduli for r in reports.values()):
+        for k in KINDS:
+            row(f"worst case ω(δ)/δ · {k}",
+                lambda r, k=k: Stat(r.moduli[k], r.moduli[k], r.moduli[k]) if k in r.moduli else None)
     rows.append("")
     rows.append(f"Ratios ‖Δf‖/‖ΔX‖ over {first.samples} windows of {first.length} tokens; X = input embeddings "
                 f"(RMS {', '.join(_fmt(reports[n].input_rms) for n in names)}), f = output embeddings; noise std "
-                "= ρ·RMS(X). Continuity coefficient (mean local Lipschitz): "
+                "= ρ·RMS(X). Worst case (if measured): `loopformer.theory.moduli` over the box of the sample "
+                "embeddings at δ = smallest ρ·RMS(X)·√(TD). Continuity coefficient (mean local Lipschitz): "
                 + ", ".join(f"{n} {_fmt(reports[n].coefficient)}" for n in names) + ".")
     return "\n".join(rows) + "\n"
 
@@ -376,5 +419,5 @@ def continuity_of_checkpoint(model, tokens: np.ndarray, vocab_size: int, cfg: Co
 
 
 __all__ = ["EmbeddingMap", "LoopedEmbeddingMap", "ContinuityConfig", "ContinuityReport", "Stat", "noise_ratios",
-           "substitution_ratios", "jacobian_norm", "measure_continuity", "sample_windows", "to_markdown", "plot",
+           "substitution_ratios", "jacobian_norm", "theory_moduli", "measure_continuity", "sample_windows", "to_markdown", "plot",
            "write_json", "continuity_of_checkpoint", "perturb_tokens"]

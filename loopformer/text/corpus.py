@@ -61,7 +61,7 @@ class PrepareOptions:
     """What `prepare_corpus` does; recorded in the manifest (a re-run with equal options is a no-op)."""
 
     tokenizer: str = "auto"          # "gpt2" | "bpe" | "auto" (gpt2 for wikitext103, as the authors; bpe otherwise)
-    vocab_size: int = 8192           # bpe only: the size of the learned vocabulary (incl. 256 bytes and EOT)
+    vocab_size: int = 8192           # bpe only: largest vocabulary (256 bytes + EOT + merges; fewer if merges run out)
     val_fraction: float = 0.05       # document sources: share of each document's lines for val
     test_fraction: float = 0.05      # ... and for test
     perturb: float = 0.0             # fraction of tokens replaced at random (0: none)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError

@@ -321,9 +321,11 @@ def format_table(rows: list[Row]) -> str:
     head = "| construction | case | sizes | loops | max error | bound | version | expected | result | note |"
     sep = "|" + "---|" * 10
     lines = [head, sep]
+    def esc(text: str) -> str:          # a '|' inside a cell would split the markdown row
+        return text.replace("|", "\\|")
     for r in rows:
         res = ("pass" if r.passed else "FAIL") + (" (holds)" if r.holds else " (fails)")
         op = "<" if r.strict else "≤"
-        lines.append(f"| {r.construction} | {r.case} | {r.sizes} | {r.loops} | {_fmt(r.error)} | {op} {_fmt(r.bound)}"
-                     f" | {r.version} | {r.expect} | {res} | {r.note} |")
+        lines.append(f"| {esc(r.construction)} | {esc(r.case)} | {r.sizes} | {r.loops} | {_fmt(r.error)} | "
+                     f"{op} {_fmt(r.bound)} | {r.version} | {r.expect} | {res} | {esc(r.note)} |")
     return "\n".join(lines)

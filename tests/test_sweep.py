@@ -1,0 +1,117 @@
+"""Sweeps and reports: grid expansion, finished runs skipped, interrupted runs completed, the Table-2 layout of
+the markdown / CSV tables (values checked against each run's results.json) and the plots."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from loopformer.cli import main
+from loopformer.errors import UserError
+from loopformer.eval.report import find_runs, table, write_report
+from loopformer.eval.sweep import expand, parse_grid, run_name, run_sweep
+
+from test_train import TINY
+
+
+def _config(tmp_path: Path) -> Path:
+    cfg = tmp_path / "tiny.yaml"
+    lines = []
+    for ov in TINY:
+        key, val = ov.split("=", 1)
+        lines.append(f"{key}: {val}")
+    from omegaconf import OmegaConf
+
+    cfg.write_text(OmegaConf.to_yaml(OmegaConf.from_dotlist(TINY + ["train.steps=3"])))
+    return cfg
+
+
+def test_grid_expansion_and_names(tmp_path):
+    grid = parse_grid(["model.loops=2,4", "model.timestep=false,true"])
+    assert grid == [("model.loops", ["2", "4"]), ("model.timestep", ["false", "true"])]
+    specs = expand(grid, ["model.n_layers=3", "model.loops=1"], tmp_path)
+    assert [s.name for s in specs] == ["baseline_n_layers=3_loops=1", "loops=2_timestep=false",
+                                       "loops=2_timestep=true", "loops=4_timestep=false", "loops=4_timestep=true"]
+    assert specs[0].baseline and specs[3].overrides == ["model.loops=4", "model.timestep=false"]
+    assert run_name(["a.b=1"]) == "b=1"
+    with pytest.raises(UserError):
+        parse_grid(["model.loops"])
+
+
+def test_sweep_report_skip_and_complete(tmp_path, capsys):
+    cfg = _config(tmp_path)
+    out = tmp_path / "sw"
+    specs = run_sweep(str(cfg), parse_grid(["model.loops=2,3", "model.timestep=false,true"]),
+                      ["model.n_layers=2", "model.loops=1"], out, progress=False)
+    assert len(specs) == 5 and all((s.out_dir / "results.json").is_file() for s in specs)
+    rep = write_report(out)
+    for f in ("table.md", "table.csv", "runs.csv", "loops.png", "loopwise.png"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    assert (out / "loops.png").read_bytes()[:4] == b"\x89PNG"
+
+    # Table 2 layout: one task row, the standard column first, then Looped r=..., then w/ Timestep r=...
+    md = rep["markdown"].splitlines()
+    assert md[0] == "| Task | Standard L=2 | Looped r=2 | r=3 | w/ Timestep r=2 | r=3 |"
+    row = [c.strip() for c in md[2].strip("|").split("|")]
+    assert row[0] == "LCS (3)"
+    by_cell = {}
+    for r in find_runs(out):
+        key = ("standard", r["n_layers"]) if r["variant"] == "standard" else (r["variant"], r["loops"])
+        by_cell[key] = 100 * r["test"]["accuracy"]
+    want = [by_cell[("standard", 2)], by_cell[("looped", 2)], by_cell[("looped", 3)], by_cell[("tmlt", 2)],
+            by_cell[("tmlt", 3)]]
+    assert [float(v) for v in row[1:]] == pytest.approx(want, abs=0.051)
+    rows = list(csv.reader(io.StringIO((out / "table.csv").read_text())))
+    assert rows[0][:3] == ["task", "metric", "Standard L=2"] and rows[1][0] == "LCS (3)"
+    assert [100 * float(v) for v in rows[1][2:]] == pytest.approx(want, abs=1e-3)
+
+    # finished runs are skipped: a second call trains nothing
+    stamps = {s.name: (s.out_dir / "results.json").stat().st_mtime_ns for s in specs}
+    run_sweep(str(cfg), parse_grid(["model.loops=2,3", "model.timestep=false,true"]),
+              ["model.n_layers=2", "model.loops=1"], out, progress=False)
+    assert stamps == {s.name: (s.out_dir / "results.json").stat().st_mtime_ns for s in specs}
+
+    # an interrupted run (checkpoint, no results) is resumed, not restarted
+    victim = specs[1].out_dir
+    (victim / "results.json").unlink()
+    metrics = (victim / "metrics.jsonl").read_text().splitlines()
+    before = [json.loads(x) for x in metrics if '"train"' in x]
+    run_sweep(str(cfg), parse_grid(["model.loops=2,3", "model.timestep=false,true"]),
+              ["model.n_layers=2", "model.loops=1"], out, progress=False)
+    assert (victim / "results.json").is_file()
+    after = [json.loads(x) for x in (victim / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert [r["loss"] for r in after] == [r["loss"] for r in before]
+
+    # `loopformer report DIR` rebuilds the same table
+    (out / "table.md").unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "table.md").read_text() == rep["markdown"]
+    assert "Standard L=2" in capsys.readouterr().out
+
+
+def test_report_errors(tmp_path):
+    with pytest.raises(UserError, match="no finished runs"):
+        table([])
+    assert main(["report", str(tmp_path / "none")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+
+
+def test_sweep_rejects_bad_config_before_running(tmp_path):
+    cfg = _config(tmp_path)
+    with pytest.raises(UserError, match="loops"):
+        run_sweep(str(cfg), parse_grid(["model.loops=2,0"]), [], tmp_path / "bad", progress=False)
+    assert not (tmp_path / "bad" / "runs").exists()
+
+
+@pytest.mark.slow
+def test_parallel_sweep_cli(tmp_path):
+    cfg = _config(tmp_path)
+    out = tmp_path / "par"
+    assert main(["sweep", str(cfg), "--grid", "model.loops=2,3", "--out", str(out), "--jobs", "2", "--threads", "1",
+                 "--quiet"]) == 0
+    assert len(find_runs(out)) == 2 and (out / "table.md").is_file()
