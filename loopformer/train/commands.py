@@ -138,6 +138,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- parser
+def _intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Let `key=value` overrides come before or after the options (`train cfg.yaml --device cpu lr=1`)."""
+    parser.parse_known_args = parser.parse_known_intermixed_args  # type: ignore[method-assign]
+    return parser
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a model from a run config",
                               description="Train from CONFIG with dotted key=value overrides; "
@@ -147,6 +153,7 @@ def register(subparsers) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_train)
+    _intermixed(p)
 
     p = subparsers.add_parser("eval", help="evaluate a checkpoint, loop by loop",
                               description="Test metrics of a checkpoint and the metric after each loop t = 1..R.")
@@ -173,6 +180,7 @@ def register(subparsers) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_sweep)
+    _intermixed(p)
 
     p = subparsers.add_parser("report", help="rebuild the table and plots of a sweep folder")
     p.add_argument("folder", metavar="DIR")
