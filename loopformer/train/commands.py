@@ -140,7 +140,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------- parser
 def _intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Let `key=value` overrides come before or after the options (`train cfg.yaml --device cpu lr=1`)."""
-    parser.parse_known_args = parser.parse_known_intermixed_args  # type: ignore[method-assign]
+    plain = type(parser).parse_known_args
+    busy = []
+
+    def known(args=None, namespace=None):
+        if busy:                        # the intermixed parser calls back into the plain one
+            return plain(parser, args, namespace)
+        busy.append(1)
+        try:
+            return type(parser).parse_known_intermixed_args(parser, args, namespace)
+        finally:
+            busy.pop()
+
+    parser.parse_known_args = known  # type: ignore[method-assign]
     return parser
 
 
