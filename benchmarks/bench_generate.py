@@ -66,8 +66,8 @@ def main() -> None:
     cfg = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0)
     print(f"device {args.device}, {args.dtype}, batch {args.batch}, prompts {args.prompt_len - 3 * (args.batch - 1)}"
           f"-{args.prompt_len} tokens, {args.new_tokens} new tokens, threads {torch.get_num_threads()}")
-    print(f"| model | params | cache tok/s | recompute tok/s | speed-up | same tokens |")
-    print(f"|---|---|---|---|---|---|")
+    print("| model | params | cache tok/s | recompute tok/s | speed-up | same tokens |")
+    print("|---|---|---|---|---|---|")
     for name, kw in cases:
         torch.manual_seed(0)
         model = LoopedTransformer(ModelConfig(**base, **kw)).to(args.device, dtype).eval()

@@ -171,7 +171,7 @@ def test_preconditions(call):
 
 # ------------------------------------------------------------------------------------- composed / bounds
 def test_composed_network_matches_step3():
-    from loopformer.theory.compose import composed_network, token_id
+    from loopformer.theory.compose import composed_network
     from loopformer.theory.rate import default_target
     c = composed_network(default_target, 2, 2, 1)
     assert c.net.width == 26 and c.net.ff_width == 74 and c.net.n_heads == 2 and c.net.loops == loops_for(2, 2, 1)

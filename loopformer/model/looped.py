@@ -142,7 +142,7 @@ class LoopedTransformer(nn.Module, _HubMixin):
         R = cfg.loops if loops is None else int(loops)
         if R < 1:
             raise UserError(f"loops must be >= 1 (got {R})")
-        B, T = x.shape[0], x.shape[1]
+        T = x.shape[1]
         past = cache.length if cache is not None else 0
         if cfg.pos == "learned" and past + T > cfg.max_len:
             raise UserError(f"sequence length {past + T} exceeds the model's max_len {cfg.max_len}")

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from loopformer.tasks.common import check_range, dataclass_options, make_rng
-from loopformer.tasks.pairs import BAR, EOS, LETTER0, NUM0, SEP, StringPairTask, pair_vocab
+from loopformer.tasks.common import check_range, make_rng
+from loopformer.tasks.pairs import StringPairTask, pair_vocab, write_row
 
 
 @numba.njit(cache=True)
@@ -110,39 +110,12 @@ def _generate(rng, n, L, amin, amax, p_random, c_ins, c_del, c_rep, T, rows, sta
                 continue
             break
         # shorter string first
-        pos = 0
-        if m < L:
-            for j in range(m):
-                rows[i, pos] = LETTER0 + s2[j]
-                pos += 1
-            rows[i, pos] = BAR
-            pos += 1
-            for j in range(L):
-                rows[i, pos] = LETTER0 + s1[j]
-                pos += 1
-            len1[i] = m
-            len2[i] = L
-        else:
-            for j in range(L):
-                rows[i, pos] = LETTER0 + s1[j]
-                pos += 1
-            rows[i, pos] = BAR
-            pos += 1
-            for j in range(m):
-                rows[i, pos] = LETTER0 + s2[j]
-                pos += 1
-            len1[i] = L
-            len2[i] = m
-        rows[i, pos] = SEP
-        pos += 1
         d = edit_distance_dp(s1, L, s2, m, c_ins, c_del, c_rep)
         answer[i] = d
-        start[i] = pos
-        rows[i, pos] = NUM0 + d
-        pos += 1
-        rows[i, pos] = EOS
-        pos += 1
-        length[i] = pos
+        if m < L:
+            write_row(rows, i, s2, m, s1, L, d, start, length, len1, len2)
+        else:
+            write_row(rows, i, s1, L, s2, m, d, start, length, len1, len2)
 
 
 @dataclass
@@ -174,14 +147,8 @@ class EditDistanceTask(StringPairTask):
         self.vocab = pair_vocab(self.max_answer)
         self.seq_len = 2 * L + 6
 
-    def options(self) -> dict:
-        return dataclass_options(self)
-
-    def solve(self, s1: str, s2: str) -> int:
-        a = np.array([ord(c) for c in s1], np.int64)
-        b = np.array([ord(c) for c in s2], np.int64)
-        return int(edit_distance_dp(a, len(a), b, len(b), self.insert_cost, self.delete_cost,
-                                    self.replace_cost))
+    def _dp(self, a: np.ndarray, la: int, b: np.ndarray, lb: int) -> int:
+        return edit_distance_dp(a, la, b, lb, self.insert_cost, self.delete_cost, self.replace_cost)
 
     def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
         rng = make_rng(seed, split)

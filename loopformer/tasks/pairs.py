@@ -13,12 +13,12 @@ Shapes: N samples, T = seq_len (the longest possible row for the task's options)
 
 from __future__ import annotations
 
-from typing import Any
 
+import numba
 import numpy as np
 
 from loopformer.tasks.base import IGNORE, TokenTask, Vocab
-from loopformer.tasks.common import causal_targets, exact_match, token_accuracy
+from loopformer.tasks.common import causal_targets, dataclass_options, exact_match, token_accuracy
 
 PAD, SEP, EOS, BAR = 0, 1, 2, 3
 LETTER0 = 4          # id of 'a'
@@ -44,11 +44,45 @@ def encode_pair(s1: str, s2: str, answer: int | None = None) -> list[int]:
     return ids
 
 
+@numba.njit(cache=True)
+def write_row(rows, i, a, la, b, lb, value, start, length, len1, len2):
+    """Write `a | b <sep> value <eos>` into rows[i] and record where the answer starts and the lengths."""
+    pos = 0
+    for j in range(la):
+        rows[i, pos] = LETTER0 + a[j]
+        pos += 1
+    rows[i, pos] = BAR
+    pos += 1
+    for j in range(lb):
+        rows[i, pos] = LETTER0 + b[j]
+        pos += 1
+    rows[i, pos] = SEP
+    pos += 1
+    start[i] = pos
+    rows[i, pos] = NUM0 + value
+    rows[i, pos + 1] = EOS
+    length[i] = pos + 2
+    len1[i] = la
+    len2[i] = lb
+
+
 class StringPairTask(TokenTask):
     """Common behaviour of edit distance and LCS: batch assembly, metrics, decoding."""
 
     causal = True
     max_answer: int
+
+    def _dp(self, a: np.ndarray, la: int, b: np.ndarray, lb: int) -> int:
+        """The task's answer for two strings given as integer arrays."""
+        raise NotImplementedError
+
+    def solve(self, s1: str, s2: str) -> int:
+        a = np.array([ord(c) for c in s1], np.int64)
+        b = np.array([ord(c) for c in s2], np.int64)
+        return int(self._dp(a, len(a), b, len(b)))
+
+    def options(self) -> dict:
+        return dataclass_options(self)
 
     def _finish(self, rows: np.ndarray, start: np.ndarray, length: np.ndarray, answer: np.ndarray,
                 len1: np.ndarray, len2: np.ndarray) -> dict[str, np.ndarray]:
@@ -107,12 +141,6 @@ class StringPairTask(TokenTask):
         start = np.array([len(ids) - 2])
         return self._finish(rows, start, np.array([len(ids)]), np.array([ans]), np.array([len(s1)]),
                             np.array([len(s2)]))
-
-    def solve(self, s1: str, s2: str) -> int:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def options(self) -> dict[str, Any]:  # pragma: no cover - overridden
-        raise NotImplementedError
 
 
 __all__ = ["StringPairTask", "pair_vocab", "encode_pair", "PAD", "SEP", "EOS", "BAR", "LETTER0", "NUM0",

@@ -27,7 +27,6 @@ error report keeps them apart.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Optional
@@ -199,7 +198,7 @@ def composed_network(f: Callable[[np.ndarray], np.ndarray], delta_inv: int, N: i
     Mimp3 = 2 * F(K) + 4 + max(abs(v) for v in comp3)
 
     # ---- FF of width 7d + 5 + 18d + (16 + 2) + (24d + 2) = 49d + 25
-    rows1, b1, rows2, b2 = [], [], [], [F(0)] * D
+    rows1, b1, b2 = [], [], [F(0)] * D
     b2[0] = F(1)                                                                   # counter
     cols = []                                                                      # output column per hidden
 

@@ -21,7 +21,7 @@ from fractions import Fraction
 from typing import Optional, Sequence
 
 from loopformer.theory.exact import (Affine, Block, FeedForward, Head, LoopedNet, block_diag_affine,
-                                     block_diag_ff, frac, mat, vec, zeros)
+                                     block_diag_ff, frac, mat, vec)
 
 F = Fraction
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import csv
 import itertools
-import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 

@@ -28,7 +28,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from loopformer.train.config import load_run_config
     from loopformer.train.trainer import load_for_resume, train
 
-    config, overrides = _split_items(args.items, config_required=args.resume is None)
+    config, overrides = _split_items(args.items, config_required=False)
     if args.device:
         overrides.append(f"device={args.device}")
     if args.resume is not None:

@@ -1,0 +1,76 @@
+"""Every shipped config loads, validates and builds its model; the demo's config file matches the demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from loopformer.model import LoopedTransformer
+from loopformer.train.config import load_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A tiny prepared token corpus standing in for the text configs' data folders."""
+    from loopformer.text.corpus import PrepareOptions, prepare_corpus
+
+    d = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    (d / "t.txt").write_text("\n".join(" ".join(rng.choice(["to", "be", "or", "not"], 10)) for _ in range(200)))
+    prepare_corpus(str(d / "t.txt"), d / "c", PrepareOptions(tokenizer="bpe", vocab_size=280), progress=False)
+    return d / "c"
+
+
+def test_configs_are_shipped():
+    names = {p.relative_to(ROOT / "configs").as_posix() for p in CONFIGS}
+    for must in ("sudoku.yaml", "countdown.yaml", "lcs60.yaml", "lcs100.yaml", "ed40.yaml", "ed60.yaml",
+                 "icl_decision_tree.yaml", "wikitext103.yaml", "cpu/demo.yaml", "cpu/lcs.yaml", "cpu/ed.yaml",
+                 "cpu/sudoku.yaml", "cpu/countdown.yaml", "cpu/icl.yaml", "cpu/shakespeare.yaml"):
+        assert must in names, must
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.relative_to(ROOT / "configs").as_posix())
+def test_config_loads_and_builds(path, corpus):
+    raw = OmegaConf.to_container(OmegaConf.load(path))
+    overrides = []
+    if raw.get("task", {}).get("name") == "text":
+        overrides.append(f"task.data_dir={corpus}")
+    elif raw.get("task", {}).get("data_dir"):
+        overrides.append("task.data_dir=null")        # the prepared folder stands in for the task generator
+    cfg = load_run_config(path, overrides)
+    assert cfg.model.loops >= 1 and (cfg.train.steps > 0 or cfg.train.epochs > 0)
+    model = LoopedTransformer(cfg.model)
+    assert model.num_params() > 0
+    if "cpu" not in path.parts:   # paper scale: the sizes of App. C
+        want = {"wikitext103.yaml": (768, 12, 24), "icl_decision_tree.yaml": (256, 8, 12)}.get(path.name,
+                                                                                              (256, 4, None))
+        assert cfg.model.d_model == want[0] and cfg.model.n_heads == want[1]
+        if want[2]:
+            assert cfg.model.loops == want[2]
+
+
+def test_paper_recipes():
+    raw = OmegaConf.load(ROOT / "configs" / "wikitext103.yaml")
+    t = raw.train
+    assert (t.lr, t.min_lr, t.warmup_steps, t.steps, t.batch_size, t.schedule) == (2e-4, 6e-5, 2000, 100000, 48,
+                                                                                   "cosine")
+    assert list(t.betas) == [0.9, 0.95] and t.weight_decay == 1e-4 and raw.task.block_size == 1024
+    for name in ("sudoku", "countdown", "lcs60", "lcs100", "ed40", "ed60"):
+        r = OmegaConf.load(ROOT / "configs" / f"{name}.yaml")
+        assert (r.train.lr, r.train.batch_size, r.train.epochs, r.train.warmup_steps, r.train.weight_decay) == \
+            (1e-4, 64, 50, 5, 0.01)
+        assert r.model.input_injection is True
+    assert OmegaConf.load(ROOT / "configs" / "sudoku.yaml").train.loss_loops == "all"
+
+
+def test_demo_config_file_is_the_demo():
+    from loopformer.train.demo import DEMO_CONFIG
+
+    shipped = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "cpu" / "demo.yaml"))
+    assert shipped == DEMO_CONFIG
