@@ -15,7 +15,7 @@ from loopformer.cli import main
 from loopformer.eval.evaluate import evaluate
 from loopformer.model import LoopedTransformer
 from loopformer.train.config import load_run_config
-from loopformer.train.data import TokenData, make_data
+from loopformer.train.data import make_data
 
 from test_train import TINY
 

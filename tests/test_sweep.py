@@ -19,12 +19,9 @@ from test_train import TINY
 
 
 def _config(tmp_path: Path) -> Path:
-    cfg = tmp_path / "tiny.yaml"
-    lines = []
-    for ov in TINY:
-        key, val = ov.split("=", 1)
-        lines.append(f"{key}: {val}")
     from omegaconf import OmegaConf
+
+    cfg = tmp_path / "tiny.yaml"
 
     cfg.write_text(OmegaConf.to_yaml(OmegaConf.from_dotlist(TINY + ["train.steps=3"])))
     return cfg

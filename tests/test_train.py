@@ -187,6 +187,13 @@ def test_answer_only_hides_the_answer(tmp_path):
     for i in range(5):
         assert np.all(x[i, st[i]:] == 0) and np.all(x[i, :st[i]] != 0)
     assert np.all(data.test["targets"][np.arange(len(st)), st - 1] >= 30)   # the answer number is a target
+    keys = data.plan(2, 8)
+    b = data.fetch(keys, 2)
+    for i, k in enumerate(keys):                                           # training rows are hidden the same way
+        s0 = data.train["answer_start"][k]
+        assert np.all(b["inputs"][i, s0:].numpy() == 0)
+        assert np.array_equal(b["inputs"][i, :s0].numpy(), data.train["inputs"][k, :s0])
+        assert np.array_equal(b["targets"][i].numpy(), data.train["targets"][k])
 
 
 def test_epochs_give_steps(tmp_path):
@@ -223,3 +230,58 @@ def test_cli_train_and_resume_extends(tmp_path, capsys):
     assert main(["train", str(cfg), f"out_dir={out}", "--quiet", "--device", "cpu"]) == 0
     assert main(["train", "--resume", str(out), "train.steps=5", "--quiet"]) == 0
     assert [r["step"] for r in read_metrics(out) if r["split"] == "train"] == [1, 2, 3, 4, 5]
+
+
+def test_language_model_training_on_a_token_folder(tmp_path):
+    from loopformer.text.corpus import PrepareOptions, prepare_corpus
+    from loopformer.train.data import TextData
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "t.txt").write_text("\n".join(" ".join(rng.choice(["to", "be", "or", "not"], 10)) for _ in range(200)))
+    prepare_corpus(str(tmp_path / "t.txt"), tmp_path / "c", PrepareOptions(tokenizer="bpe", vocab_size=280),
+                   progress=False)
+    cfg = load_run_config(None, ["task.name=text", f"task.data_dir={tmp_path / 'c'}", "task.block_size=16",
+                                 "task.eval_windows=4", "model.d_model=16", "model.n_heads=2", "model.loops=2",
+                                 "train.steps=4", "train.batch_size=4", "train.log_every=1", "log.progress=false",
+                                 "log.tensorboard=false", f"out_dir={tmp_path / 'lm'}"])
+    data = TextData(cfg.task)
+    V = data.corpus.vocab_size
+    assert cfg.model.vocab_size == V and cfg.model.causal and cfg.model.max_len == 16
+    keys = data.plan(3, 4)
+    b = data.fetch(keys, 3)
+    toks = np.asarray(data.train_tokens)
+    for i, o in enumerate(keys):   # targets are the inputs shifted by one token of the training split
+        assert np.array_equal(b["inputs"][i].numpy(), toks[o:o + 16]) and np.array_equal(b["targets"][i].numpy(),
+                                                                                         toks[o + 1:o + 17])
+    res = train(cfg)
+    assert res["metric"] == "ppl" and res["test"]["ppl"] == pytest.approx(math.exp(res["test"]["loss"]))
+    first = read_metrics(tmp_path / "lm")[0]
+    assert abs(first["loss"] - math.log(V)) < 1.0      # an untrained model is near the uniform guess
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    """A real `kill -9` of `loopformer train` between checkpoints, then `--resume`: same losses and weights."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = [*TINY, "train.steps=300", "train.eval_every=40", "eval.max_loops=2"]
+    train(load_run_config(None, [*args, f"out_dir={tmp_path / 'full'}"]))
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "loopformer.cli", "train", *args, f"out_dir={cut}", "--quiet"],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        steps = [r["step"] for r in read_metrics(cut) if r["split"] == "train"]
+        if (cut / "checkpoint" / "training_state.pt").is_file() and steps and max(steps) >= 100:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (cut / "results.json").exists()
+    assert main(["train", "--resume", str(cut), "--quiet"]) == 0
+    assert _train_losses(cut) == _train_losses(tmp_path / "full")
+    assert read_results(cut)["test"] == read_results(tmp_path / "full")["test"]

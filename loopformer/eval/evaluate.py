@@ -47,16 +47,12 @@ def evaluate(model: torch.nn.Module, data: Any, *, loops: Optional[int] = None, 
     was_training = raw.training
     raw.eval()
     try:
-        if data.kind == "text":
-            per_loop = _eval_text(raw, data, R, batch_size, limit, device, autocast, progress)
-        elif data.kind == "vector":
-            per_loop = _eval_vector(raw, data, R, batch_size, limit, device, autocast, progress)
-        else:
-            per_loop = _eval_tokens(raw, data, R, batch_size, limit, device, autocast, progress)
+        fn = {"text": _eval_text, "vector": _eval_vector}.get(data.kind, _eval_tokens)
+        per_loop = fn(raw, data, R, loopwise and R > 1, batch_size, limit, device, autocast, progress)
     finally:
         raw.train(was_training)
-    # per_loop: a list of metric dicts, loop 1..R (only the last one when not loop-wise)
-    if loopwise:
+    # per_loop: a list of metric dicts, loop 1..R (only loop R when not loop-wise)
+    if loopwise and R > 1:
         curve = [{"loop": t + 1, **m} for t, m in enumerate(per_loop)]
         at_r = per_loop[r - 1]
     else:
@@ -71,12 +67,10 @@ def _forward(model, x, R, all_loops: bool, autocast):
     return out.all_logits if all_loops else out.logits[None]                             # [R|1,B,T,C]
 
 
-def _eval_tokens(model, data, R, batch_size, limit, device, autocast, progress) -> list[dict[str, float]]:
-    all_loops = R > 1
+def _eval_tokens(model, data, R, all_loops, batch_size, limit, device, autocast, progress) -> list[dict[str, float]]:
     preds: list[np.ndarray] = []
     rows: list[dict[str, np.ndarray]] = []
     C = model.config.out_dim
-    first = True
     for batch in tqdm(list(data.test_batches(10 ** 9, limit)), desc="eval", disable=not progress, leave=False):
         T = batch["inputs"].shape[1]
         step = _eval_batch_size(batch_size, R if all_loops else 1, T, C)
@@ -85,8 +79,6 @@ def _eval_tokens(model, data, R, batch_size, limit, device, autocast, progress) 
             logits = _forward(model, x, R, all_loops, autocast)
             preds.append(logits.argmax(-1).cpu().numpy())                                 # [R,b,T]
         rows.append(batch)
-        first = False
-    del first
     pred = np.concatenate(preds, axis=1)                                                  # [R,N,T]
     full = {k: np.concatenate([b[k] for b in rows]) for k in rows[0]}
     if not all_loops:
@@ -94,8 +86,7 @@ def _eval_tokens(model, data, R, batch_size, limit, device, autocast, progress) 
     return [data.metrics(pred[t], full) for t in range(pred.shape[0])]
 
 
-def _eval_text(model, data, R, batch_size, limit, device, autocast, progress) -> list[dict[str, float]]:
-    all_loops = R > 1
+def _eval_text(model, data, R, all_loops, batch_size, limit, device, autocast, progress) -> list[dict[str, float]]:
     n_loops = R if all_loops else 1
     nll = np.zeros(n_loops)
     correct = np.zeros(n_loops)
@@ -120,9 +111,9 @@ def _eval_text(model, data, R, batch_size, limit, device, autocast, progress) ->
     return out
 
 
-def _eval_vector(model, data, R, batch_size, limit, device, autocast, progress) -> list[dict[str, float]]:
+def _eval_vector(model, data, R, all_loops, batch_size, limit, device, autocast, progress
+                 ) -> list[dict[str, float]]:
     """Squared error / d at the prediction positions: 'mse' (mean over positions), 'mse_last' (last position)."""
-    all_loops = R > 1
     n_loops = R if all_loops else 1
     sq, last, rows, count = np.zeros(n_loops), np.zeros(n_loops), 0, 0.0
     for batch in tqdm(list(data.test_batches(batch_size, limit)), desc="eval", disable=not progress, leave=False):

@@ -111,7 +111,8 @@ class EvalConfig:
     loopwise: bool = True             # record the metric after every loop t = 1..max_loops
 
     def __post_init__(self) -> None:
-        _need(self.batch_size >= 1 and self.n >= 0 and self.max_loops >= 0, "eval: batch_size >= 1, n and max_loops >= 0")
+        _need(self.batch_size >= 1 and self.n >= 0 and self.max_loops >= 0,
+              "eval: need batch_size >= 1, n >= 0 and max_loops >= 0")
 
 
 @dataclass

@@ -138,7 +138,7 @@ def hide_answers(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, np.
 class TokenData(DataSource):
     kind = "tokens"
 
-    def __init__(self, cfg: TaskConfig, world_rank: int = 0):
+    def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
         if cfg.data_dir:
             _check_dir(cfg.data_dir)
@@ -150,12 +150,11 @@ class TokenData(DataSource):
             self.task = build_task(cfg.name, cfg.options)
             self.train = self.task.generate(cfg.n_train, cfg.seed, "train")
             self.test = self.task.generate(cfg.n_test, cfg.seed, "test")
-        if cfg.answer_only:
-            self.train, self.test = hide_answers(self.train, self.task.pad_id), hide_answers(self.test,
-                                                                                            self.task.pad_id)
+        if cfg.answer_only:   # the test split now; training rows batch by batch (they may be memory-mapped)
+            if "answer_start" not in self.train:
+                raise UserError("task.answer_only needs a task with an answer span (edit_distance, lcs, countdown)")
+            self.test = hide_answers(self.test, self.task.pad_id)
         self.n_train = len(self.train["inputs"])
-        self._inputs = torch.from_numpy(np.asarray(self.train["inputs"], dtype=np.int64))
-        self._targets = torch.from_numpy(np.asarray(self.train["targets"], dtype=np.int64))
 
     @staticmethod
     def task_from(cfg: TaskConfig):
@@ -171,8 +170,13 @@ class TokenData(DataSource):
         return stream_indices(self.cfg.seed, self.n_train, step * batch_size, batch_size)
 
     def fetch(self, keys: np.ndarray, step: int) -> dict[str, torch.Tensor]:
-        idx = torch.from_numpy(np.asarray(keys, dtype=np.int64))
-        return {"inputs": self._inputs[idx], "targets": self._targets[idx]}
+        idx = np.asarray(keys, dtype=np.int64)
+        rows = {"inputs": np.asarray(self.train["inputs"][idx], dtype=np.int64),           # [b,T]
+                "targets": np.asarray(self.train["targets"][idx], dtype=np.int64)}
+        if self.cfg.answer_only:
+            rows["answer_start"] = np.asarray(self.train["answer_start"][idx])
+            rows = hide_answers(rows, self.task.pad_id)
+        return {"inputs": torch.from_numpy(rows["inputs"]), "targets": torch.from_numpy(rows["targets"])}
 
     def test_batches(self, batch_size: int, limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
         n = len(self.test["inputs"]) if not limit else min(limit, len(self.test["inputs"]))
@@ -207,7 +211,7 @@ class TextData(DataSource):
     metric = "ppl"
     higher_is_better = False
 
-    def __init__(self, cfg: TaskConfig, world_rank: int = 0):
+    def __init__(self, cfg: TaskConfig):
         from loopformer.text.dataset import RandomWindows, TokenCorpus
 
         if not cfg.data_dir:
@@ -284,7 +288,7 @@ class VectorData(DataSource):
     metric = "mse"
     higher_is_better = False
 
-    def __init__(self, cfg: TaskConfig, world_rank: int = 0):
+    def __init__(self, cfg: TaskConfig):
         from loopformer.tasks.icl import interleave
 
         self.cfg = cfg
@@ -348,5 +352,6 @@ def steps_for(cfg_steps: int, epochs: float, n_train: Optional[int], batch_size:
     return max(1, math.ceil(epochs * n_train / batch_size))
 
 
-__all__ = ["DataSource", "TokenData", "TextData", "VectorData", "make_data", "model_fields", "build_task", "stream_indices",
+__all__ = ["DataSource", "TokenData", "TextData", "VectorData", "make_data", "model_fields", "build_task",
+           "stream_indices",
            "hide_answers", "steps_for", "IGNORE", "TOKEN_TASKS"]

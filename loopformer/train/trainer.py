@@ -292,7 +292,7 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
     acc_loss = acc_correct = acc_count = acc_tokens = 0.0
     window_t0 = time.perf_counter()
     last_eval = None
-    is_text_or_tokens = data.kind in ("tokens", "text")
+    classifies = data.kind in ("tokens", "text")
 
     def checkpoint(step: int) -> None:
         rngs = gather_objects(d, _rng_state(d.device))
@@ -345,7 +345,7 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
                     loss.backward()
             with torch.no_grad():
                 acc_loss += float(s) / k
-                if is_text_or_tokens:
+                if classifies:
                     mask = mb["targets"] != -100
                     acc_correct += float(((out.logits.argmax(-1) == mb["targets"]) & mask).sum())
                 acc_count += counts[i]
@@ -370,7 +370,7 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
             rec = {"split": "train", "step": done, "loss": loss_sum / max(count, 1.0), "lr": lr, "loops": R,
                    "grad_norm": gnorm, "tokens_per_s": tokens / max(now - window_t0, 1e-9),
                    "train_time": train_time}
-            if is_text_or_tokens:
+            if classifies:
                 rec["accuracy"] = correct / max(count, 1.0)
             if not math.isfinite(rec["loss"]):
                 raise UserError(f"the loss became {rec['loss']} at step {done}; lower train.lr or enable clipping")
