@@ -57,7 +57,10 @@ def _parse_scales(text: str) -> tuple[float, ...]:
 def _names(paths: list[str]) -> list[str]:
     names = []
     for p in paths:
-        base = os.path.basename(os.path.normpath(p)) or p
+        norm = os.path.normpath(p)
+        base = os.path.basename(norm) or p
+        if base == "checkpoint":   # a run folder's checkpoint: name it after the run
+            base = os.path.basename(os.path.dirname(norm)) or base
         name, k = base, 2
         while name in names:
             name, k = f"{base}#{k}", k + 1
