@@ -18,6 +18,8 @@ or [B,T] reals with `weight` [B,T] marking the supervised positions.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import os
 from typing import Any, Iterator, Optional
@@ -104,8 +106,16 @@ class DataSource:
         raise NotImplementedError
 
 
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    order.flags.writeable = False     # shared by every caller through the cache
+    return order
+
+
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(n)
+    """The row order of one epoch: a pure function of (seed, epoch, n), cached because every step reads it."""
+    return _epoch_order(int(seed), int(epoch), int(n))
 
 
 def stream_indices(seed: int, n: int, start: int, count: int) -> np.ndarray:
