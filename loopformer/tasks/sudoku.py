@@ -72,6 +72,29 @@ def _bit_digit(b):
 
 
 @numba.njit(cache=True)
+def _most_constrained(g, rm, cm, bm, fcell, fbit, stop_at):
+    """(cell, candidate count, candidate mask) of the empty cell with the fewest candidates, scanning in order and
+    stopping early at a count <= stop_at (-1: never). `fbit` is struck from cell `fcell`'s candidates (-1: none);
+    cell -1 when the grid is full."""
+    best = -1
+    bc = 10
+    bmask = 0
+    for c in range(81):
+        if g[c] == 0:
+            m = ~(rm[ROW[c]] | cm[COL[c]] | bm[BOX[c]]) & 511
+            if c == fcell:
+                m &= ~fbit
+            k = POPCOUNT[m]
+            if k < bc:
+                bc = k
+                best = c
+                bmask = m
+                if k <= stop_at:
+                    break
+    return best, bc, bmask
+
+
+@numba.njit(cache=True)
 def count_solutions_nb(grid, limit, sol, fcell, fbit):
     """Number of solutions of `grid` (int [81], 0 = blank), stopping at `limit`; the first one goes to `sol`.
 
@@ -99,21 +122,7 @@ def count_solutions_nb(grid, limit, sol, fcell, fbit):
     depth = 0
     count = 0
     while True:
-        best = -1
-        bc = 10
-        bmask = 0
-        for c in range(81):
-            if g[c] == 0:
-                m = ~(rm[ROW[c]] | cm[COL[c]] | bm[BOX[c]]) & 511
-                if c == fcell:
-                    m &= ~fbit
-                k = POPCOUNT[m]
-                if k < bc:
-                    bc = k
-                    best = c
-                    bmask = m
-                    if k <= 1:
-                        break
+        best, bc, bmask = _most_constrained(g, rm, cm, bm, fcell, fbit, 1)
         if best >= 0 and bc > 0:
             bit = bmask & -bmask
             g[best] = _bit_digit(bit)
@@ -167,19 +176,7 @@ def _random_full_grid(rng, out):
     st_mask = np.empty(81, np.int64)
     depth = 0
     while True:
-        best = -1
-        bc = 10
-        bmask = 0
-        for c in range(81):
-            if g[c] == 0:
-                m = ~(rm[ROW[c]] | cm[COL[c]] | bm[BOX[c]]) & 511
-                k = POPCOUNT[m]
-                if k < bc:
-                    bc = k
-                    best = c
-                    bmask = m
-                    if k <= 1:
-                        break
+        best, bc, bmask = _most_constrained(g, rm, cm, bm, -1, 0, 1)
         if best == -1:
             for c in range(81):
                 out[c] = g[c]
@@ -308,17 +305,7 @@ def rate_nb(grid, rng, runs):
         while True:
             alive = _propagate(cur, rm, cm, bm)
             if alive:
-                best = -1
-                bc = 10
-                bmask = 0
-                for c in range(81):
-                    if cur[c] == 0:
-                        m = ~(rm[ROW[c]] | cm[COL[c]] | bm[BOX[c]]) & 511
-                        k = POPCOUNT[m]
-                        if k < bc:
-                            bc = k
-                            best = c
-                            bmask = m
+                best, bc, bmask = _most_constrained(cur, rm, cm, bm, -1, 0, -1)
                 if best == -1:
                     solved = True
                     break
