@@ -31,6 +31,28 @@ def _one_line(exc: BaseException) -> str:
     return first
 
 
+def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> list:
+    """The YAML file at `path` and the dotted `overrides`, parsed but not yet checked against a schema."""
+    layers = []
+    if path is not None:
+        if not os.path.isfile(path):
+            raise UserError(f"config file not found: {path}")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as exc:  # yaml errors
+            raise UserError(f"cannot parse config {path}: {_one_line(exc)}") from None
+    overrides = list(overrides)
+    for ov in overrides:
+        if "=" not in ov:
+            raise UserError(f"override {ov!r} is not of the form key=value")
+    if overrides:
+        try:
+            layers.append(OmegaConf.from_dotlist(overrides))
+        except OmegaConfBaseException as exc:
+            raise UserError(f"bad override: {_one_line(exc)}") from None
+    return layers
+
+
 def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: Iterable[str] = (),
                 base: dict | None = None) -> T:
     """Build `cls` from defaults, then `base` (a dict), then the YAML file at `path`, then dotted `overrides`.
@@ -44,19 +66,7 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
         layers = [schema]
         if base:
             layers.append(OmegaConf.create(base))
-        if path is not None:
-            if not os.path.isfile(path):
-                raise UserError(f"config file not found: {path}")
-            try:
-                layers.append(OmegaConf.load(path))
-            except Exception as exc:  # yaml errors
-                raise UserError(f"cannot parse config {path}: {_one_line(exc)}") from None
-        overrides = list(overrides)
-        for ov in overrides:
-            if "=" not in ov:
-                raise UserError(f"override {ov!r} is not of the form key=value")
-        if overrides:
-            layers.append(OmegaConf.from_dotlist(overrides))
+        layers += user_layers(path, overrides)
         merged = OmegaConf.merge(*layers)
         obj = OmegaConf.to_object(merged)
     except UserError:

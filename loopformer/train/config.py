@@ -17,8 +17,7 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import OmegaConf
 
-from loopformer.configio import load_config
-from loopformer.errors import UserError
+from loopformer.configio import load_config, user_layers
 from loopformer.model.config import ModelConfig
 
 LOSS_LOOPS = ("last", "all", "window")
@@ -148,23 +147,7 @@ class RunConfig:
 
 def _raw_layers(path: Optional[str | os.PathLike], overrides: Iterable[str]) -> dict:
     """The YAML file and overrides merged without a schema (to find the task before the full load)."""
-    layers = []
-    if path is not None:
-        if not os.path.isfile(path):
-            raise UserError(f"config file not found: {path}")
-        try:
-            layers.append(OmegaConf.load(path))
-        except Exception as exc:
-            raise UserError(f"cannot parse config {path}: {str(exc).splitlines()[0]}") from None
-    ovs = list(overrides)
-    for ov in ovs:
-        if "=" not in ov:
-            raise UserError(f"override {ov!r} is not of the form key=value")
-    if ovs:
-        try:
-            layers.append(OmegaConf.from_dotlist(ovs))
-        except Exception as exc:
-            raise UserError(f"bad override: {str(exc).splitlines()[0]}") from None
+    layers = user_layers(path, overrides)
     merged = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
     return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
 
