@@ -60,6 +60,25 @@ def _apply(a, b, op):
 
 
 @numba.njit(cache=True)
+def _combine(src, m, i, j, r, out):
+    """out <- the m-2 entries of src[:m] other than i and j, then r (the pool after one step)."""
+    k = 0
+    for q in range(m):
+        if q != i and q != j:
+            out[k] = src[q]
+            k += 1
+    out[k] = r
+
+
+@numba.njit(cache=True)
+def _record(steps, row, x, y, op, r):
+    steps[row, 0] = max(x, y)
+    steps[row, 1] = op
+    steps[row, 2] = min(x, y)
+    steps[row, 3] = r
+
+
+@numba.njit(cache=True)
 def solve_nb(nums, target, max_value, steps):
     """Count the three-step solutions of (nums[4], target); the first (in search order) goes to steps [3, 4]
     as rows (larger, op, smaller, result)."""
@@ -72,45 +91,23 @@ def solve_nb(nums, target, max_value, steps):
                 r1 = _apply(nums[i], nums[j], op1)
                 if r1 < 0 or r1 > max_value:
                     continue
-                k = 0
-                for q in range(4):
-                    if q != i and q != j:
-                        cur3[k] = nums[q]
-                        k += 1
-                cur3[2] = r1
+                _combine(nums, 4, i, j, r1, cur3)
                 for a in range(3):
                     for b in range(a + 1, 3):
                         for op2 in range(4):
                             r2 = _apply(cur3[a], cur3[b], op2)
                             if r2 < 0 or r2 > max_value:
                                 continue
-                            k = 0
-                            for q in range(3):
-                                if q != a and q != b:
-                                    cur2[k] = cur3[q]
-                                    k += 1
-                            cur2[1] = r2
+                            _combine(cur3, 3, a, b, r2, cur2)
                             for op3 in range(4):
                                 r3 = _apply(cur2[0], cur2[1], op3)
                                 if r3 != target:
                                     continue
                                 count += 1
                                 if count == 1:
-                                    x, y = nums[i], nums[j]
-                                    steps[0, 0] = max(x, y)
-                                    steps[0, 1] = op1
-                                    steps[0, 2] = min(x, y)
-                                    steps[0, 3] = r1
-                                    x, y = cur3[a], cur3[b]
-                                    steps[1, 0] = max(x, y)
-                                    steps[1, 1] = op2
-                                    steps[1, 2] = min(x, y)
-                                    steps[1, 3] = r2
-                                    x, y = cur2[0], cur2[1]
-                                    steps[2, 0] = max(x, y)
-                                    steps[2, 1] = op3
-                                    steps[2, 2] = min(x, y)
-                                    steps[2, 3] = r3
+                                    _record(steps, 0, nums[i], nums[j], op1, r1)
+                                    _record(steps, 1, cur3[a], cur3[b], op2, r2)
+                                    _record(steps, 2, cur2[0], cur2[1], op3, r3)
     return count
 
 
