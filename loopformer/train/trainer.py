@@ -289,7 +289,11 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
     show = d.main and (cfg.log.progress if progress is None else progress)
     bar = tqdm(total=total, initial=start, desc=cfg.name, disable=not show, dynamic_ncols=True)
     train_time = float(state.get("train_time", 0.0)) if state else 0.0
-    acc_loss = acc_correct = acc_count = acc_tokens = 0.0
+    # loss and accuracy sums stay on the device between log steps: no host synchronisation in the step
+    acc_dtype = torch.float32 if d.device.type == "mps" else torch.float64
+    acc_loss = torch.zeros((), dtype=acc_dtype, device=d.device)
+    acc_correct = torch.zeros((), dtype=acc_dtype, device=d.device)
+    acc_count = acc_tokens = 0.0
     window_t0 = time.perf_counter()
     last_eval = None
     classifies = data.kind in ("tokens", "text")
@@ -325,9 +329,10 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
         n_read = loss_loops(tc, R)                               # read-outs in the loss (None: the last one)
         keys = data.plan(step, B)                                # [B] global batch
         mine = np.array_split(keys, d.world)[d.rank]
-        micro = [_to(data.fetch(k, step), d.device) for k in np.array_split(mine, tc.grad_accum)]
+        fetched = [data.fetch(k, step) for k in np.array_split(mine, tc.grad_accum)]
         counts = [int((m["targets"] != -100).sum()) if not m["targets"].dtype.is_floating_point
-                  else int(m["weight"].sum()) for m in micro]
+                  else int(m["weight"].sum()) for m in fetched]          # counted on the host, before the copy
+        micro = [_to(m, d.device) for m in fetched]
         global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
         for i, mb in enumerate(micro):
             sync = i == len(micro) - 1
@@ -344,16 +349,15 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
                 else:
                     loss.backward()
             with torch.no_grad():
-                acc_loss += float(s) / k
+                acc_loss += s.detach().to(acc_dtype) / k
                 if classifies:
                     mask = mb["targets"] != -100
-                    acc_correct += float(((out.logits.argmax(-1) == mb["targets"]) & mask).sum())
+                    acc_correct += ((out.logits.argmax(-1) == mb["targets"]) & mask).sum().to(acc_dtype)
                 acc_count += counts[i]
                 acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]
         if scaler is not None:
             scaler.unscale_(optimizer)
-        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)) if tc.grad_clip > 0 \
-            else float("nan")
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip) if tc.grad_clip > 0 else None
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -365,10 +369,12 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
         bar.update(1)
 
         if done % tc.log_every == 0 or done == total:
-            loss_sum, correct, count, tokens = all_sum(d, [acc_loss, acc_correct, acc_count, acc_tokens])
+            loss_sum, correct, count, tokens = all_sum(d, [float(acc_loss), float(acc_correct), acc_count,
+                                                           acc_tokens])
             now = time.perf_counter()
             rec = {"split": "train", "step": done, "loss": loss_sum / max(count, 1.0), "lr": lr, "loops": R,
-                   "grad_norm": gnorm, "tokens_per_s": tokens / max(now - window_t0, 1e-9),
+                   "grad_norm": float(gnorm) if gnorm is not None else float("nan"),
+                   "tokens_per_s": tokens / max(now - window_t0, 1e-9),
                    "train_time": train_time}
             if classifies:
                 rec["accuracy"] = correct / max(count, 1.0)
@@ -381,7 +387,9 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
             if last_eval is not None:
                 post[f"test_{data.metric}"] = f"{last_eval['metrics'][data.metric]:.4g}"
             bar.set_postfix(post, refresh=False)
-            acc_loss = acc_correct = acc_count = acc_tokens = 0.0
+            acc_loss.zero_()
+            acc_correct.zero_()
+            acc_count = acc_tokens = 0.0
             window_t0 = now
         if tc.eval_every and done % tc.eval_every == 0 and done < total:
             last_eval = evaluation(done, final=False)
