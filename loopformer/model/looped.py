@@ -173,18 +173,14 @@ class LoopedTransformer(nn.Module, _HubMixin):
                     h_new = checkpoint(self._block, h, mods_t, mask, None, t, use_reentrant=False)
                 else:
                     h_new = self._block(h, mods_t, mask, cache, t)
+            h_prev, h = h, h_new
+            if return_all:
+                states.append(h)
             if halt_tol is not None and t > 0:
-                change = (h_new - h).flatten(1).norm(dim=1) / h.flatten(1).norm(dim=1).clamp(min=1e-12)
-                h = h_new
-                if return_all:
-                    states.append(h)
+                change = (h - h_prev).flatten(1).norm(dim=1) / h_prev.flatten(1).norm(dim=1).clamp(min=1e-12)
                 if bool((change < halt_tol).all()):
                     ran = t + 1
                     break
-                continue
-            h = h_new
-            if return_all:
-                states.append(h)
         if cache is not None:
             cache.length += T
 
