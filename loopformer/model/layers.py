@@ -77,6 +77,7 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
         self.loops = 0  # set by the model on the first call; later calls must use the same loop count
+        self.mods = None  # the loop modulations [R,k,4,D]: fixed weights for a cache's lifetime, computed once
 
     @property
     def slots(self) -> int:

@@ -159,7 +159,12 @@ class LoopedTransformer(nn.Module, _HubMixin):
         mask = self._mask(attn_mask, T, past, x.device)
 
         e = self.embed(x, positions)                                                   # [B,T,D]
-        mods = self.modulations(R, x.device)                                           # [R,k,4,D] | None
+        if cache is not None and not torch.is_grad_enabled():  # generation: same modulations for every token
+            if cache.mods is None:
+                cache.mods = self.modulations(R, x.device)
+            mods = cache.mods
+        else:
+            mods = self.modulations(R, x.device)                                       # [R,k,4,D] | None
         grad = torch.is_grad_enabled()
         first_grad = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0
         use_ckpt = cfg.checkpoint and grad and cache is None
