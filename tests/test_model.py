@@ -55,6 +55,20 @@ def test_untrained_tmlt_block_is_identity():
     assert (model(x).hidden - e).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_tmlt_with_unit_gates_starts_as_the_looped_model(causal):
+    tmlt = LoopedTransformer(tiny(timestep=True, timestep_gate_init=1.0, causal=causal, input_injection=True)).eval()
+    looped = LoopedTransformer(tiny(causal=causal, input_injection=True)).eval()
+    missing = looped.load_state_dict(tmlt.state_dict(), strict=False)
+    assert not missing.missing_keys and all("modulation" in k or "timestep" in k for k in missing.unexpected_keys)
+    gates, scales = tmlt.modulations(4, torch.device("cpu")).split(2, dim=2)
+    assert (gates == 1).all() and (scales == 0).all()
+    x = ids()
+    torch.testing.assert_close(tmlt(x).logits, looped(x).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="timestep_gate_init"):
+        tiny(timestep=True, timestep_gate_init=float("nan"))
+
+
 def test_tmlt_modulation_depends_on_loop_index_and_extrapolates():
     model = perturb(LoopedTransformer(tiny(timestep=True, loops=4))).eval()
     mods = model.modulations(100, torch.device("cpu"))

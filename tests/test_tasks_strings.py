@@ -1,5 +1,6 @@
 """Edit distance and LCS: generators against independent references (memoised recursion, brute force)."""
 
+import hashlib
 import heapq
 import itertools
 from functools import lru_cache
@@ -178,9 +179,31 @@ def test_encode_and_decode():
         get_task("lcs", length=6).encode("abcbdab", "bdcaba")
 
 
+@pytest.mark.parametrize("name", ["edit_distance", "lcs"])
+def test_alphabet_pool_restricts_the_letters(name):
+    task = get_task(name, length=9, alphabet_min=2, alphabet_max=3, alphabet_pool=4)
+    batch = task.generate(300, seed=5)
+    used = set()
+    for i in range(300):
+        s1, s2, ans, _ = split_row(task, batch, i)
+        assert len(set(s1 + s2)) <= 3
+        used |= set(s1 + s2)
+        ref = ref_edit_distance(s1, s2) if name == "edit_distance" else brute_lcs(s1, s2)
+        assert ans == ref
+    assert used == set("abcd")          # every letter of the pool occurs, none outside it
+    # the default pool (all 26 letters) draws exactly the bytes the generator drew before the option existed
+    full = get_task(name, length=9, alphabet_min=2, alphabet_max=5).generate(50, seed=1)["inputs"]
+    digest = hashlib.sha256(np.ascontiguousarray(full).tobytes()).hexdigest()[:16]
+    assert digest == {"edit_distance": "50746fac05f35a9d", "lcs": "2d7a9f268a392995"}[name]
+
+
 def test_options_are_validated():
     with pytest.raises(UserError, match="alphabet_max"):
         get_task("edit_distance", alphabet_max=27)
+    with pytest.raises(UserError, match="alphabet_max"):
+        get_task("lcs", alphabet_max=5, alphabet_pool=4)
+    with pytest.raises(UserError, match="alphabet_pool"):
+        get_task("lcs", alphabet_pool=0)
     with pytest.raises(UserError, match="unknown option"):
         get_task("lcs", lenght=5)
     with pytest.raises(UserError, match="unknown task"):

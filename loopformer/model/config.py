@@ -10,6 +10,7 @@ Presets carry the paper's sizes (App. C.1.3 reasoning, C.2 ICL, C.3 language mod
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,6 +43,9 @@ class ModelConfig:
     timestep: bool = False            # TMLT: α(t), γ(t) from the loop index (adaLN-Zero initialisation)
     timestep_freq_dim: int = 256      # width of the sinusoidal loop-index features PE(t)
     timestep_max_period: float = 10000.0
+    timestep_gate_init: float = 0.0   # initial residual gates γ1, γ2 (b5's gate half): 0 is adaLN-Zero (the
+                                      # authors'; the untrained block is the identity), 1 makes the untrained TMLT
+                                      # block the untrained looped block
     input_injection: bool = False     # add the read-in embedding before every loop after the first
     # L2: read-out
     head: str = "lm"                  # "lm" (per-token logits) | "sequence" (pooled classes) | "regression"
@@ -89,6 +93,7 @@ class ModelConfig:
             need(self.vocab_size > 0 and self.head == "lm" and self.out_dim == self.vocab_size,
                  "tie_embeddings needs token input and an lm head over the vocabulary")
         need(self.init_std > 0, "init_std must be positive")
+        need(math.isfinite(self.timestep_gate_init), "timestep_gate_init must be a finite number")
 
     # derived sizes
     @property

@@ -63,7 +63,8 @@ class LoopedTransformer(nn.Module, _HubMixin):
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2k); adaLN-Zero for the modulations."""
+        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2k); adaLN-Zero for the modulations (gates at
+        `timestep_gate_init`)."""
         std = self.config.init_std
         for name, p in self.named_parameters():
             if name.endswith("bias"):
@@ -78,6 +79,7 @@ class LoopedTransformer(nn.Module, _HubMixin):
             if blk.modulation is not None:
                 blk.modulation.weight.zero_()
                 blk.modulation.bias.zero_()
+                blk.modulation.bias[:2 * self.config.d_model].fill_(self.config.timestep_gate_init)  # γ1, γ2
 
     # ------------------------------------------------------------------ helpers
     def num_params(self, exclude_positions: bool = False) -> int:

@@ -1,6 +1,7 @@
 """Edit distance (paper Sec. 5.1.1 and App. C.1.1, Algorithm 1; the generator of Feng et al. 2023).
 
-Per sample: draw an alphabet of t letters (t uniform in [alphabet_min, alphabet_max], letters distinct, from a..z);
+Per sample: draw an alphabet of t letters (t uniform in [alphabet_min, alphabet_max], letters distinct, from a..z,
+or from the first `alphabet_pool` letters);
 string 1 has exactly `length` (L) letters from it. With probability `p_random` string 2 is random with length
 uniform in [L-3, L+2]; otherwise string 2 is string 1 after k random edits (k uniform in 1..L; each edit is a
 deletion, a replacement or an insertion, equally likely, at a uniform position — a deletion that would leave
@@ -50,7 +51,7 @@ def edit_distance_dp(a, la, b, lb, c_ins, c_del, c_rep):
 
 
 @numba.njit(cache=True)
-def _generate(rng, n, L, amin, amax, p_random, c_ins, c_del, c_rep, T, rows, start, length, answer, len1, len2):
+def _generate(rng, n, L, amin, amax, pool, p_random, c_ins, c_del, c_rep, T, rows, start, length, answer, len1, len2):
     perm = np.empty(26, np.int64)
     avail = np.empty(26, np.int64)
     s1 = np.empty(L, np.int64)
@@ -62,7 +63,7 @@ def _generate(rng, n, L, amin, amax, p_random, c_ins, c_del, c_rep, T, rows, sta
             for j in range(26):
                 perm[j] = j
             for j in range(t):                              # partial Fisher-Yates: t distinct letters
-                r = j + rng.integers(0, 26 - j)
+                r = j + rng.integers(0, pool - j)
                 tmp = perm[j]
                 perm[j] = perm[r]
                 perm[r] = tmp
@@ -126,6 +127,7 @@ class EditDistanceTask(StringPairTask):
     alphabet_min: int = 3
     alphabet_max: int = 26
     p_random: float = 0.4
+    alphabet_pool: int = 26
     insert_cost: int = 2
     delete_cost: int = 2
     replace_cost: int = 3
@@ -135,7 +137,8 @@ class EditDistanceTask(StringPairTask):
     def __post_init__(self) -> None:
         check_range("length", self.length, 4, 1000)
         check_range("alphabet_min", self.alphabet_min, 1, 26)
-        check_range("alphabet_max", self.alphabet_max, self.alphabet_min, 26)
+        check_range("alphabet_pool", self.alphabet_pool, 1, 26)
+        check_range("alphabet_max", self.alphabet_max, self.alphabet_min, self.alphabet_pool)
         check_range("p_random", self.p_random, 0.0, 1.0, integer=False)
         for k in ("insert_cost", "delete_cost", "replace_cost"):
             check_range(k, getattr(self, k), 0, 1000)
@@ -155,7 +158,8 @@ class EditDistanceTask(StringPairTask):
         n = int(n)
         rows = np.zeros((n, self.seq_len), np.int32)
         start, length, answer, len1, len2 = (np.zeros(n, np.int64) for _ in range(5))
-        _generate(rng, n, self.length, self.alphabet_min, self.alphabet_max, float(self.p_random),
+        _generate(rng, n, self.length, self.alphabet_min, self.alphabet_max, self.alphabet_pool,
+                  float(self.p_random),
                   self.insert_cost, self.delete_cost, self.replace_cost, self.seq_len,
                   rows, start, length, answer, len1, len2)
         return self._finish(rows, start, length, answer, len1, len2)

@@ -1,6 +1,8 @@
 """Longest common subsequence (paper Sec. 5.1.1, App. C.1.1; L = 60 and 100 in Table 2).
 
-Per sample: draw an alphabet of t letters (t uniform in [alphabet_min, alphabet_max], distinct letters of a..z);
+Per sample: draw an alphabet of t letters (t uniform in [alphabet_min, alphabet_max], distinct letters of a..z, or
+of the first `alphabet_pool` letters: with a small pool every sample reuses the same few letters, which a small
+model learns to compare much sooner);
 string 1 has exactly `length` (L) letters from it. With probability `p_random` string 2 is L random letters from
 the same alphabet (the paper's "two sequences sampled uniformly from the alphabet"; `p_random=1` gives exactly
 that); otherwise string 2 is string 1 after k random edits (k uniform in 1..L, each a replacement by a random
@@ -41,7 +43,7 @@ def lcs_dp(a, la, b, lb):
 
 
 @numba.njit(cache=True)
-def _generate(rng, n, L, amin, amax, p_random, rows, start, length, answer, len1, len2):
+def _generate(rng, n, L, amin, amax, pool, p_random, rows, start, length, answer, len1, len2):
     perm = np.empty(26, np.int64)
     avail = np.empty(26, np.int64)
     s1 = np.empty(L, np.int64)
@@ -52,7 +54,7 @@ def _generate(rng, n, L, amin, amax, p_random, rows, start, length, answer, len1
         for j in range(26):
             perm[j] = j
         for j in range(t):
-            r = j + rng.integers(0, 26 - j)
+            r = j + rng.integers(0, pool - j)
             tmp = perm[j]
             perm[j] = perm[r]
             perm[r] = tmp
@@ -94,13 +96,15 @@ class LCSTask(StringPairTask):
     alphabet_min: int = 3
     alphabet_max: int = 25
     p_random: float = 0.4
+    alphabet_pool: int = 26
 
     name = "lcs"
 
     def __post_init__(self) -> None:
         check_range("length", self.length, 1, 1000)
         check_range("alphabet_min", self.alphabet_min, 1, 26)
-        check_range("alphabet_max", self.alphabet_max, self.alphabet_min, 26)
+        check_range("alphabet_pool", self.alphabet_pool, 1, 26)
+        check_range("alphabet_max", self.alphabet_max, self.alphabet_min, self.alphabet_pool)
         check_range("p_random", self.p_random, 0.0, 1.0, integer=False)
         self.max_answer = int(self.length)
         self.vocab = pair_vocab(self.max_answer)
@@ -114,6 +118,7 @@ class LCSTask(StringPairTask):
         n = int(n)
         rows = np.zeros((n, self.seq_len), np.int32)
         start, length, answer, len1, len2 = (np.zeros(n, np.int64) for _ in range(5))
-        _generate(rng, n, self.length, self.alphabet_min, self.alphabet_max, float(self.p_random),
+        _generate(rng, n, self.length, self.alphabet_min, self.alphabet_max, self.alphabet_pool,
+                  float(self.p_random),
                   rows, start, length, answer, len1, len2)
         return self._finish(rows, start, length, answer, len1, len2)
