@@ -6,7 +6,8 @@ Shapes: B batch, T query length, S key length (cache + new), D model width, H he
 TMLT (Eq. 12-15):  PE(t) sinusoidal -> TE(t) = W3·SiLU(W4·PE(t) + b4) + b3
                    [γ1, γ2, s1, s2] = W5·SiLU(TE(t)) + b5,  α_i = 1 + s_i
                    X' = X + γ1 ⊙ Attn(α1 ⊙ RMSN(X)),  TF(X, t) = X' + γ2 ⊙ FF(α2 ⊙ RMSN(X'))
-W5, b5 start at zero (adaLN-Zero), so an untrained TMLT block is the identity map.
+W5, b5 start at zero (adaLN-Zero), so an untrained TMLT block is the identity map; with `timestep_gate_init=1` the
+gate half of b5 starts at one and the untrained TMLT block is the untrained looped block.
 """
 
 from __future__ import annotations
