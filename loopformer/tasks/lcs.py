@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from loopformer.tasks.common import check_range, make_rng
-from loopformer.tasks.pairs import StringPairTask, pair_vocab, write_row
+from loopformer.tasks.pairs import StringPairTask, draw_alphabet, pair_vocab, write_row
 
 
 @numba.njit(cache=True)
@@ -51,14 +51,7 @@ def _generate(rng, n, L, amin, amax, pool, p_random, rows, start, length, answer
     min_len = (L + 1) // 2
     for i in range(n):
         t = rng.integers(amin, amax + 1)
-        for j in range(26):
-            perm[j] = j
-        for j in range(t):
-            r = j + rng.integers(0, pool - j)
-            tmp = perm[j]
-            perm[j] = perm[r]
-            perm[r] = tmp
-            avail[j] = perm[j]
+        draw_alphabet(rng, t, pool, perm, avail)
         for j in range(L):
             s1[j] = avail[rng.integers(0, t)]
         if rng.random() < p_random:

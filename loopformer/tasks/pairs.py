@@ -45,6 +45,19 @@ def encode_pair(s1: str, s2: str, answer: int | None = None) -> list[int]:
 
 
 @numba.njit(cache=True)
+def draw_alphabet(rng, t, pool, perm, avail):
+    """avail[:t] = t distinct letters (0-based) drawn from the first `pool` letters (partial Fisher-Yates)."""
+    for j in range(26):
+        perm[j] = j
+    for j in range(t):
+        r = j + rng.integers(0, pool - j)
+        tmp = perm[j]
+        perm[j] = perm[r]
+        perm[r] = tmp
+        avail[j] = perm[j]
+
+
+@numba.njit(cache=True)
 def write_row(rows, i, a, la, b, lb, value, start, length, len1, len2):
     """Write `a | b <sep> value <eos>` into rows[i] and record where the answer starts and the lengths."""
     pos = 0
