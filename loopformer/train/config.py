@@ -82,6 +82,8 @@ class TrainConfig:
     log_every: int = 10
     precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16
     compile: bool = False             # torch.compile the model (GPU)
+    timestep_lr_mult: float = 1.0     # lr multiplier of the timestep embedder and the modulations (TMLT)
+    timestep_weight_decay: Optional[float] = None  # their weight decay (None: weight_decay)
 
     def __post_init__(self) -> None:
         _need(self.steps >= 0 and self.epochs >= 0, "train.steps and train.epochs must be >= 0")
@@ -100,6 +102,9 @@ class TrainConfig:
               "loop curriculum: loops_start >= 0, loops_every >= 1, loops_increment >= 1")
         _need(self.eval_every >= 0 and self.log_every >= 1, "train.eval_every >= 0 and train.log_every >= 1")
         _need(self.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS} (got {self.precision!r})")
+        _need(self.timestep_lr_mult > 0, f"train.timestep_lr_mult must be > 0 (got {self.timestep_lr_mult})")
+        _need(self.timestep_weight_decay is None or self.timestep_weight_decay >= 0,
+              "train.timestep_weight_decay must be >= 0 (or null)")
 
 
 @dataclass

@@ -60,15 +60,31 @@ def loss_loops(cfg: TrainConfig, loops: int) -> Optional[int]:
     return min(cfg.loss_window, loops)
 
 
+def is_timestep_param(name: str) -> bool:
+    """The TMLT parameters: the timestep embedder TE(t) and each layer's modulation W5, b5."""
+    parts = name.split(".")
+    return parts[0] == "timestep" or "modulation" in parts
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; matrices decay, vectors (norm gains, biases) and embeddings' positions do not (GPT-2 practice)."""
-    decay, no_decay = [], []
+    """AdamW; matrices decay, vectors (norm gains, biases) and embeddings' positions do not (GPT-2 practice).
+
+    The timestep parameters (`is_timestep_param`) form their own groups with lr × `timestep_lr_mult` (each group's
+    "lr_mult"; the trainer sets `lr = schedule × lr_mult`) and weight decay `timestep_weight_decay`.
+    """
+    groups: dict[tuple[bool, bool], list] = {(ts, dec): [] for ts in (False, True) for dec in (True, False)}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and "pos" not in name.split(".")[-2:] else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        decays = p.dim() >= 2 and "pos" not in name.split(".")[-2:]
+        groups[(is_timestep_param(name), decays)].append(p)
+    ts_wd = cfg.weight_decay if cfg.timestep_weight_decay is None else cfg.timestep_weight_decay
+    out = [{"params": groups[(False, True)], "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
+           {"params": groups[(False, False)], "weight_decay": 0.0, "lr_mult": 1.0}]
+    if groups[(True, True)] or groups[(True, False)]:
+        out += [{"params": groups[(True, True)], "weight_decay": ts_wd, "lr_mult": cfg.timestep_lr_mult},
+                {"params": groups[(True, False)], "weight_decay": 0.0, "lr_mult": cfg.timestep_lr_mult}]
+    return torch.optim.AdamW(out, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None

@@ -324,7 +324,7 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
         t_step = time.perf_counter()
         lr = lr_at(tc, step, total)
         for g in optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_mult", 1.0)
         R = loops_at(tc, step, cfg.model.loops)
         n_read = loss_loops(tc, R)                               # read-outs in the loss (None: the last one)
         keys = data.plan(step, B)                                # [B] global batch
