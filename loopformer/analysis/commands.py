@@ -1,5 +1,9 @@
 """Command-line front-end of the measurements on trained models:
 
+    loopformer analyze dynamics RUN|CHECKPOINT [--out DIR] [--max-loops R] [-n ROWS]
+
+prints the per-loop dynamics table (`loopformer.analysis.dynamics`) and writes dynamics.md / .json / .png;
+
     loopformer analyze continuity CKPT [CKPT ...] --data DIR [--out DIR] [--split val] [--samples 16]
                                   [--length 128] [--scales 1e-3,1e-2,1e-1,1] [--power-iters 20]
 
@@ -41,6 +45,19 @@ def register(subparsers) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_continuity)
+    q = sub.add_parser("dynamics", help="per-loop gates, update sizes, read-outs and settle loops of a model",
+                       description="Whether the loop is used and the timestep modulation alive: per loop t the "
+                                   "TMLT gates |γ| and scales |α|, the update size ||h_t - h_t-1|| / ||h_t-1||, "
+                                   "the read-out's loss and accuracy and the settle loop of each test sample; for "
+                                   "a run folder also the training-time gradient norms per parameter group. "
+                                   "Writes dynamics.md, dynamics.json and PNG plots.")
+    q.add_argument("path", metavar="RUN|CHECKPOINT")
+    q.add_argument("--out", default=None, metavar="DIR", help="where the outputs go (default: PATH/dynamics)")
+    q.add_argument("--max-loops", type=int, default=0, help="loops measured (0: twice the trained loops)")
+    q.add_argument("-n", "--n", type=int, default=500, dest="n", help="test rows measured (0: all)")
+    q.add_argument("--batch-size", type=int, default=250)
+    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    q.set_defaults(func=_dynamics)
     an.set_defaults(func=lambda args: (an.print_help(), 2)[1])
 
 
@@ -100,4 +117,18 @@ def _continuity(args) -> int:
                       "output": args.output, "loops": args.loops, "seed": args.seed})
     plot(reports, os.path.join(args.out, "continuity.png"))
     print(f"wrote {os.path.join(args.out, 'continuity.md')}, continuity.json, continuity.png")
+    return 0
+
+
+def _dynamics(args) -> int:
+    from loopformer.analysis.dynamics import analyze_dynamics
+
+    if args.max_loops < 0 or args.max_loops > 4096:
+        raise UserError(f"max_loops must be between 0 and 4096 (got {args.max_loops})")
+    out = args.out or os.path.join(args.path, "dynamics")
+    report = analyze_dynamics(args.path, out, max_loops=args.max_loops, limit=args.n, batch_size=args.batch_size,
+                              device=args.device)
+    print(report["table"], end="")
+    print(f"wrote {out}/dynamics.md, dynamics.json, dynamics_loops.png"
+          + (", dynamics_train.png" if "training" in report else ""))
     return 0

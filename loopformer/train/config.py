@@ -122,6 +122,9 @@ class EvalConfig:
 @dataclass
 class LogConfig:
     progress: bool = True             # tqdm bar
+    dynamics: bool = True             # log training dynamics (per-loop gates, update sizes, read-outs; per-group
+                                      # gradient norms; settle loops) as "dynamics" records
+    dynamics_every: int = 0           # steps between dynamics records (0: every log_every steps)
     tensorboard: bool = True          # when the tensorboard package is installed
     wandb: bool = False               # when the wandb package is installed
     wandb_project: str = "loopformer"
@@ -144,6 +147,7 @@ class RunConfig:
         _need(self.seed >= 0, f"seed must be >= 0 (got {self.seed})")
         _need(self.device in DEVICES, f"device must be one of {DEVICES} (got {self.device!r})")
         _need(self.threads >= 0, "threads must be >= 0")
+        _need(self.log.dynamics_every >= 0, f"log.dynamics_every must be >= 0 (got {self.log.dynamics_every})")
         _need(bool(self.out_dir), "out_dir must be set")
         tr, m = self.train, self.model
         if tr.loss_loops == "window":

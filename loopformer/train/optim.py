@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from loopformer.model.diagnostics import is_timestep_param
 from loopformer.tasks.base import IGNORE
 from loopformer.train.config import TrainConfig
 
@@ -58,12 +59,6 @@ def loss_loops(cfg: TrainConfig, loops: int) -> Optional[int]:
     if cfg.loss_loops == "all":
         return loops
     return min(cfg.loss_window, loops)
-
-
-def is_timestep_param(name: str) -> bool:
-    """The TMLT parameters: the timestep embedder TE(t) and each layer's modulation W5, b5."""
-    parts = name.split(".")
-    return parts[0] == "timestep" or "modulation" in parts
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

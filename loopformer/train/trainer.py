@@ -40,7 +40,9 @@ from tqdm.auto import tqdm
 
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
+from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, save_checkpoint, unwrap
+from loopformer.tasks.base import IGNORE
 from loopformer.model.looped import LoopedTransformer
 from loopformer.train.config import RunConfig, load_run_config
 from loopformer.train.data import DataSource, make_data, steps_for
@@ -145,8 +147,14 @@ class MetricsLog:
         self.fh.write(json.dumps(record) + "\n")
         self.fh.flush()
         split, step = record.get("split", "train"), record.get("step", 0)
-        scalars = {f"{split}/{k}": v for k, v in record.items()
-                   if k not in ("split", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {}
+        for k, v in record.items():
+            if k in ("split", "step") or isinstance(v, bool):
+                continue
+            if isinstance(v, (int, float)):
+                scalars[f"{split}/{k}"] = v
+            elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+                scalars.update({f"{split}/{k}/t{t + 1:02d}": x for t, x in enumerate(v)})   # per-loop lists
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
@@ -192,6 +200,31 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loops: int, step: int,
+                    grads: dict[str, float]) -> dict:
+    """A "dynamics" metrics record: per-loop modulation magnitudes, update sizes, read-out loss / accuracy and
+    settle loops on `batch` (in eval mode: no dropout, no RNG drawn, so training is unchanged), and the gradient
+    norm of every parameter group at this step."""
+    raw = unwrap(model)
+    # bound the per-loop read-outs [R,b,T,C] to ~1.5e8 elements: fewer rows, and for causal models fewer positions
+    x, y, w = batch["inputs"], batch["targets"], batch.get("weight")
+    per_row = loops * x.shape[1] * raw.config.out_dim
+    rows = max(1, min(x.shape[0], int(1.5e8 // per_row)))
+    cut = x.shape[1] if not raw.config.causal else max(1, min(x.shape[1], int(1.5e8 // (loops * raw.config.out_dim))))
+    x, y = x[:rows, :cut], y[:rows, :cut]
+    w = None if w is None else w[:rows, :cut]
+    rec: dict[str, Any] = {"split": "dynamics", "step": step, "loops": loops}
+    rec.update({f"grad_norm_{g}": v for g, v in grads.items()})
+    mods = modulation_stats(raw, loops)
+    if mods:
+        rec.update(mods)
+    dyn = loop_dynamics(raw, x, y, loops=loops, weight=w, ignore_index=IGNORE)
+    settle = summarize_settle(dyn.pop("settle"), loops)
+    rec.update({f"loop_{k}" if k != "update" else k: v for k, v in dyn.items()})
+    rec.update({k: v for k, v in settle.items() if k != "settle_hist"})
+    return rec
 
 
 def resolve_resume(path: str | os.PathLike) -> Path:
@@ -297,6 +330,8 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
     window_t0 = time.perf_counter()
     last_eval = None
     classifies = data.kind in ("tokens", "text")
+    dyn_every = (cfg.log.dynamics_every or tc.log_every) if cfg.log.dynamics else 0
+    dyn_grads: dict[str, float] = {}
 
     def checkpoint(step: int) -> None:
         rngs = gather_objects(d, _rng_state(d.device))
@@ -357,6 +392,8 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
                 acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]
         if scaler is not None:
             scaler.unscale_(optimizer)
+        if d.main and dyn_every and (step + 1) % dyn_every == 0:
+            dyn_grads = grad_norms(model)                        # before clipping
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip) if tc.grad_clip > 0 else None
         if scaler is not None:
             scaler.step(optimizer)
@@ -391,6 +428,8 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
             acc_correct.zero_()
             acc_count = acc_tokens = 0.0
             window_t0 = now
+        if d.main and dyn_every and done % dyn_every == 0:
+            log.write(dynamics_record(model, micro[-1], R, done, dyn_grads))
         if tc.eval_every and done % tc.eval_every == 0 and done < total:
             last_eval = evaluation(done, final=False)
             checkpoint(done)

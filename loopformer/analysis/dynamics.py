@@ -1,0 +1,228 @@
+"""Training dynamics of a trained looped model (`loopformer analyze dynamics RUN|CHECKPOINT`).
+
+Two views of whether the loop is used and whether the timestep modulation is alive:
+
+    after training   on the task's test split, per loop t = 1..R (R may exceed the trained r): the TMLT gates
+                     |γ1(t)|, |γ2(t)| and scales |α1(t)|, |α2(t)|, the update size ‖h_t − h_{t−1}‖ / ‖h_{t−1}‖, the
+                     read-out's loss and accuracy (or squared error), and the distribution of the settle loop (the
+                     first loop after which a sample's answer no longer changes)
+    during training  from the run's "dynamics" records in metrics.jsonl (written every log.dynamics_every steps):
+                     the gradient norm per parameter group, the mean gate and update size over steps
+
+Writes DIR/dynamics.json, dynamics.md, dynamics_loops.png and (for a run folder with records) dynamics_train.png.
+The measurements themselves are `loopformer.model.diagnostics`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from loopformer.errors import UserError
+from loopformer.model.diagnostics import PARAM_GROUPS, loop_dynamics, modulation_stats, summarize_settle
+
+MOD_KEYS = ("gate_attn", "gate_mlp", "alpha_attn", "alpha_mlp")
+
+
+def dynamics_of(model: torch.nn.Module, data: Any, *, loops: int, batch_size: int = 256, limit: int = 0,
+                device: Optional[torch.device] = None) -> dict[str, Any]:
+    """Per-loop dynamics of `model` on `data`'s test split (the first `limit` rows; 0: all), t = 1..loops."""
+    from loopformer.tasks.base import IGNORE
+
+    device = device or next(model.parameters()).device
+    sums: dict[str, np.ndarray] = {}
+    weights: dict[str, float] = {}
+    settle: list[int] = []
+    for batch in data.test_batches(batch_size, limit):
+        kind_float = data.kind == "vector"
+        x = torch.as_tensor(np.asarray(batch["inputs"], dtype=np.float32 if kind_float else np.int64), device=device)
+        y = torch.as_tensor(np.asarray(batch["targets"], dtype=np.float32 if kind_float else np.int64),
+                            device=device)
+        w = torch.as_tensor(batch["weight"], device=device) if "weight" in batch else None
+        res = loop_dynamics(model, x, y, loops=loops, weight=w, ignore_index=IGNORE)
+        n = x.shape[0]
+        for k in ("update", "loss", "accuracy"):
+            if k in res:
+                sums[k] = sums.get(k, 0.0) + np.asarray(res[k]) * n
+                weights[k] = weights.get(k, 0.0) + n
+        settle += res["settle"]
+    if not settle:
+        raise UserError("the test split is empty: nothing to measure")
+    out: dict[str, Any] = {"loops": loops, "rows": len(settle)}
+    out.update({k: (sums[k] / weights[k]).tolist() for k in sums})
+    out.update(summarize_settle(settle, loops))
+    mods = modulation_stats(model, loops)
+    if mods:
+        out.update(mods)
+    return out
+
+
+def training_curves(records: list[dict]) -> dict[str, list]:
+    """Series over steps from a run's "dynamics" records: step, grad_norm_<group>, mean gate / update, settle."""
+    recs = [r for r in records if r.get("split") == "dynamics"]
+    out: dict[str, list] = {"step": [r["step"] for r in recs]}
+    for g in PARAM_GROUPS:
+        key = f"grad_norm_{g}"
+        if any(key in r for r in recs):
+            out[key] = [r.get(key, float("nan")) for r in recs]
+    for k in (*MOD_KEYS, "update"):
+        if any(k in r for r in recs):
+            out[f"mean_{k}"] = [float(np.mean(r[k])) if k in r else float("nan") for r in recs]
+    if any("settle_mean" in r for r in recs):
+        out["settle_mean"] = [r.get("settle_mean", float("nan")) for r in recs]
+    return out
+
+
+def to_markdown(res: dict[str, Any], trained: int) -> str:
+    cols = [c for c in ("accuracy", "loss", "update", *MOD_KEYS) if c in res]
+    lines = ["| t | " + " | ".join(cols) + " | settled at t |", "|---" * (len(cols) + 2) + "|"]
+    hist = res["settle_hist"]
+    for t in range(res["loops"]):
+        mark = f"{t + 1}" + (" (r)" if t + 1 == trained else "")
+        vals = [f"{res[c][t]:.4g}" for c in cols]
+        lines.append(f"| {mark} | " + " | ".join(vals) + f" | {hist[t]} |")
+    lines.append("")
+    lines.append(f"settle loop over {res['rows']} test rows: mean {res['settle_mean']:.2f}, median "
+                 f"{res['settle_median']:.0f}, 90th percentile {res['settle_p90']:.1f} (of {res['loops']} loops)")
+    return "\n".join(lines) + "\n"
+
+
+def plot_loops(res: dict[str, Any], trained: int, path: str | os.PathLike, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = np.arange(1, res["loops"] + 1)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    ax = axes[0]
+    if "accuracy" in res:
+        ax.plot(t, res["accuracy"], marker=".", label="accuracy")
+        ax.set_ylabel("accuracy")
+        ax2 = ax.twinx()
+        ax2.plot(t, res["loss"], color="C1", marker=".", label="loss")
+        ax2.set_ylabel("loss")
+    else:
+        ax.plot(t, res["loss"], marker=".")
+        ax.set_yscale("log")
+        ax.set_ylabel("squared error")
+    ax.set_title("read-out after loop t")
+    axes[1].plot(t, res["update"], marker=".")
+    axes[1].set_yscale("log")
+    axes[1].set_title("update ‖h_t − h_{t−1}‖ / ‖h_{t−1}‖")
+    if "gate_attn" in res:
+        for k in MOD_KEYS:
+            axes[2].plot(t, res[k], marker=".", label=k.replace("gate_", "|γ| ").replace("alpha_", "|α| "))
+        axes[2].legend(fontsize=7)
+        axes[2].set_title("modulation (mean over width)")
+    else:
+        axes[2].text(0.5, 0.5, "no timestep modulation", ha="center", va="center", transform=axes[2].transAxes)
+        axes[2].set_title("modulation")
+    axes[3].bar(t, res["settle_hist"])
+    axes[3].set_title("settle loop (samples)")
+    for ax in axes:
+        ax.set_xlabel("loop t")
+        ax.axvline(trained, color="grey", lw=0.8, ls="--")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_training(curves: dict[str, list], path: str | os.PathLike, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = curves["step"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for g in PARAM_GROUPS:
+        if f"grad_norm_{g}" in curves:
+            axes[0].plot(steps, curves[f"grad_norm_{g}"], label=g)
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("gradient norm per group")
+    for k in MOD_KEYS:
+        if f"mean_{k}" in curves:
+            axes[1].plot(steps, curves[f"mean_{k}"], label=k)
+    if any(f"mean_{k}" in curves for k in MOD_KEYS):
+        axes[1].legend(fontsize=7)
+    axes[1].set_title("modulation, mean over loops")
+    if "mean_update" in curves:
+        axes[2].plot(steps, curves["mean_update"], label="mean update")
+    if "settle_mean" in curves:
+        ax2 = axes[2].twinx()
+        ax2.plot(steps, curves["settle_mean"], color="C1", label="settle loop (mean)")
+        ax2.set_ylabel("settle loop")
+    axes[2].set_yscale("log")
+    axes[2].set_title("update size (mean over loops)")
+    for ax in axes:
+        ax.set_xlabel("step")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 500, batch_size: int = 250,
+                     device: str = "auto") -> dict[str, Any]:
+    """The `analyze dynamics` command's work: measure, then write json / md / png into `out`."""
+    from loopformer.configio import from_dict
+    from loopformer.model.io import load, read_config
+    from loopformer.train.config import TaskConfig
+    from loopformer.train.data import make_data
+    from loopformer.train.distributed import pick_device
+    from loopformer.train.trainer import read_metrics
+
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"not found: {p}")
+    run_dir = None
+    if (p / "checkpoint" / "config.json").is_file():
+        run_dir, p = p, p / "checkpoint"
+    elif p.name == "checkpoint" and (p.parent / "metrics.jsonl").is_file():
+        run_dir = p.parent
+    if not (p / "config.json").is_file():
+        raise UserError(f"{path} is neither a run folder nor a checkpoint folder (no config.json)")
+    _, extra = read_config(p)
+    run = extra.get("run") or {}
+    if not run.get("task"):
+        raise UserError(f"{p} records no task (it was not written by `loopformer train`)")
+    if max_loops < 0 or limit < 0 or batch_size < 1:
+        raise UserError("max_loops and limit must be >= 0 and batch_size >= 1")
+    dev = pick_device(device)
+    model = load(p, device=dev)
+    data = make_data(from_dict(TaskConfig, run["task"]))
+    trained = model.config.loops
+    R = max_loops or 2 * trained
+    res = dynamics_of(model, data, loops=R, batch_size=batch_size, limit=limit, device=dev)
+    report: dict[str, Any] = {"checkpoint": str(p), "trained_loops": trained, "variant": model.config.variant,
+                              "per_loop": res}
+    curves = training_curves(read_metrics(run_dir)) if run_dir is not None else {"step": []}
+    if curves["step"]:
+        report["training"] = curves
+    os.makedirs(out, exist_ok=True)
+    name = run_dir.name if run_dir is not None else p.name
+    table = to_markdown(res, trained)
+    _write(Path(out) / "dynamics.md", f"# Dynamics of {name} ({model.config.variant}, trained r = {trained})\n\n"
+           + table)
+    _write(Path(out) / "dynamics.json", json.dumps(report, indent=2) + "\n")
+    plot_loops(res, trained, Path(out) / "dynamics_loops.png", title=name)
+    if curves["step"]:
+        plot_training(curves, Path(out) / "dynamics_train.png", title=name)
+    report["table"] = table
+    return report
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
