@@ -43,6 +43,9 @@ class ModelConfig:
     timestep: bool = False            # TMLT: α(t), γ(t) from the loop index (adaLN-Zero initialisation)
     timestep_freq_dim: int = 256      # width of the sinusoidal loop-index features PE(t)
     timestep_max_period: float = 10000.0
+    timestep_embed: str = "sinusoid"  # PE(t) of Eq. 12: "sinusoid" (the paper's) | "learned" (a trained vector per
+                                      # loop t < loops; later loops reuse the last one)
+    timestep_scale: float = 1.0       # the sinusoid reads PE(scale · t) (>1 spreads few loops over more phase)
     timestep_gate_init: float = 0.0   # initial residual gates γ1, γ2 (b5's gate half): 0 is adaLN-Zero (the
                                       # authors'; the untrained block is the identity), 1 makes the untrained TMLT
                                       # block the untrained looped block
@@ -87,6 +90,9 @@ class ModelConfig:
         need(self.head == "regression" or self.n_out is not None or self.vocab_size > 0,
              f"head={self.head!r} with vector input needs n_out")
         need(self.timestep_freq_dim >= 2 and self.timestep_freq_dim % 2 == 0, "timestep_freq_dim must be even")
+        need(self.timestep_embed in ("sinusoid", "learned"),
+             f"timestep_embed must be 'sinusoid' or 'learned' (got {self.timestep_embed!r})")
+        need(math.isfinite(self.timestep_scale) and self.timestep_scale > 0, "timestep_scale must be > 0")
         need(self.grad_loops is None or self.grad_loops >= 1, "grad_loops must be >= 1 (or null for all loops)")
         need(self.compat in ("none", "authors"), f"compat must be 'none' or 'authors' (got {self.compat!r})")
         if self.tie_embeddings:

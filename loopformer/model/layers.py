@@ -171,14 +171,22 @@ def timestep_features(t: torch.Tensor, dim: int, max_period: float = 10000.0) ->
 
 
 class TimestepEmbedder(nn.Module):
-    """TE(t) = W3·SiLU(W4·PE(t) + b4) + b3 (Eq. 12); loop indices never seen in training still embed."""
+    """TE(t) = W3·SiLU(W4·PE(t) + b4) + b3 (Eq. 12).
+
+    PE(t) is the sinusoid of `timestep_features` at `timestep_scale · t` (loop indices never seen in training still
+    embed), or with `timestep_embed="learned"` a trained vector per loop t < `loops` (later loops reuse the last).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.freq_dim, self.max_period = cfg.timestep_freq_dim, cfg.timestep_max_period
+        self.freq_dim, self.max_period, self.scale = cfg.timestep_freq_dim, cfg.timestep_max_period, cfg.timestep_scale
+        self.table = nn.Embedding(cfg.loops, cfg.timestep_freq_dim) if cfg.timestep_embed == "learned" else None
         self.mlp = nn.Sequential(nn.Linear(cfg.timestep_freq_dim, cfg.d_model), nn.SiLU(),
                                  nn.Linear(cfg.d_model, cfg.d_model))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:  # [R] -> [R, D]
-        pe = timestep_features(t, self.freq_dim, self.max_period).to(self.mlp[0].weight.dtype)
-        return self.mlp(pe)
+        if self.table is not None:
+            pe = self.table(t.clamp(max=self.table.num_embeddings - 1))
+        else:
+            pe = timestep_features(t * self.scale if self.scale != 1.0 else t, self.freq_dim, self.max_period)
+        return self.mlp(pe.to(self.mlp[0].weight.dtype))

@@ -75,6 +75,8 @@ class LoopedTransformer(nn.Module, _HubMixin):
                 nn.init.normal_(p, 0.0, s)
             else:
                 p.fill_(1.0)  # norm gains
+        if self.timestep is not None and self.timestep.table is not None:
+            nn.init.normal_(self.timestep.table.weight, 0.0, 1.0)   # the sinusoid's scale: entries of size ~1
         for blk in self.blocks:
             if blk.modulation is not None:
                 blk.modulation.weight.zero_()

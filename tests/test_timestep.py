@@ -1,0 +1,56 @@
+"""Timestep-encoding options of the TMLT: the learned per-loop embedding and the scaled sinusoid, against direct
+computations; the paper's parametrisation (the default) unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopformer.model import LoopedTransformer
+from loopformer.model.config import ModelConfig
+from loopformer.model.layers import timestep_features
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(vocab_size=9, max_len=8, d_model=16, n_heads=2, loops=4, timestep=True,
+                       timestep_gate_init=1.0, **kw)
+
+
+def test_default_is_the_paper_sinusoid():
+    torch.manual_seed(0)
+    m = LoopedTransformer(_cfg())
+    assert m.timestep.table is None and set(k for k in m.state_dict() if k.startswith("timestep")) == {
+        "timestep.mlp.0.weight", "timestep.mlp.0.bias", "timestep.mlp.2.weight", "timestep.mlp.2.bias"}
+    t = torch.arange(6)
+    with torch.no_grad():
+        ref = m.timestep.mlp(timestep_features(t, 256, 10000.0))
+        assert torch.equal(m.timestep(t), ref)
+
+
+def test_scaled_sinusoid_reads_scaled_index():
+    torch.manual_seed(0)
+    m = LoopedTransformer(_cfg(timestep_scale=8.0))
+    t = torch.arange(5)
+    with torch.no_grad():
+        assert torch.allclose(m.timestep(t), m.timestep.mlp(timestep_features(8.0 * t.float(), 256)), atol=1e-6)
+
+
+def test_learned_embedding_per_loop_clamps_past_trained_loops():
+    torch.manual_seed(0)
+    m = LoopedTransformer(_cfg(timestep_embed="learned", timestep_freq_dim=8))
+    assert m.timestep.table.weight.shape == (4, 8)
+    assert 0.5 < float(m.timestep.table.weight.std()) < 2.0          # initialised at the sinusoid's scale
+    with torch.no_grad():
+        te = m.timestep(torch.arange(7))
+        assert torch.equal(te[4], te[3]) and torch.equal(te[6], te[3])  # loops past r reuse the last vector
+        assert not torch.equal(te[0], te[1])
+        x = torch.randint(0, 9, (2, 5))
+        out = m(x, loops=8, return_all=True)                             # runs past the trained loops
+        assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize("field,value", [("timestep_embed", "table"), ("timestep_scale", 0.0),
+                                         ("timestep_scale", float("nan"))])
+def test_bad_timestep_options(field, value):
+    with pytest.raises(ValueError, match=field):
+        _cfg(**{field: value})
