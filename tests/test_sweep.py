@@ -112,3 +112,20 @@ def test_parallel_sweep_cli(tmp_path):
     assert main(["sweep", str(cfg), "--grid", "model.loops=2,3", "--out", str(out), "--jobs", "2", "--threads", "1",
                  "--quiet"]) == 0
     assert len(find_runs(out)) == 2 and (out / "table.md").is_file()
+
+
+def test_configs_table_groups_seeds_by_configuration():
+    from loopformer.eval.report import config_key, configs_table
+
+    def run(name, seed, acc, last):
+        return {"_dir": f"/s/runs/{name}", "seed": seed, "metric": "accuracy", "variant": "tmlt", "loops": 4,
+                "params": 100, "task": {"name": "lcs", "options": {"length": 6}}, "test": {"accuracy": acc},
+                "loopwise": [{"loop": 1, "accuracy": 0.1}, {"loop": 8, "accuracy": last}]}
+
+    assert config_key("/x/runs/loops=4_seed=2_timestep=true") == "loops=4_timestep=true"
+    runs = [run("loops=4_seed=0", 0, 0.5, 0.4), run("loops=4_seed=1", 1, 0.7, 0.6), run("loops=4_seed=2", 2, 0.6, 0.9),
+            run("loops=8_seed=0", 0, 0.8, 0.8)]
+    md = configs_table(runs).splitlines()
+    assert len(md) == 4
+    assert "| loops=4 |" in md[2] and "| 3 | 60.0 [50.0–70.0] | 0: 50.0, 1: 70.0, 2: 60.0 | t=8: 60.0 [40.0–90.0] |" in md[2]
+    assert "| loops=8 |" in md[3] and "| 1 | 80.0 [80.0–80.0] |" in md[3]

@@ -8,6 +8,8 @@ cells with several runs (seeds) show their mean. Files written into the sweep fo
     table.md        the markdown table (and a line per task on the metric)
     table.csv       the same table
     runs.csv        one row per run: task, variant, layers, loops, metric, value, parameters, steps, time, folder
+    by_config.md    one row per run configuration (the run's folder name without its `seed=` part): the number
+                    of seeds, the median and range over seeds at the trained r and at the last evaluated loop
     loops.png       the metric against the loop count r: one line per variant, the standard Transformer as a
                     dashed level (one panel per task)
     loopwise.png    the metric after each loop t = 1..R of every looped run (the trained r marked): extrapolation
@@ -128,6 +130,43 @@ def table(runs: list[dict]) -> tuple[str, str]:
     return "\n".join(md + [""] + notes) + "\n", buf.getvalue()
 
 
+def config_key(run_dir: str) -> str:
+    """A run's configuration name: its folder name with the `seed=N` part removed (seeds of one cell share it)."""
+    parts = [p for p in Path(run_dir).name.split("_") if not p.startswith("seed=")]
+    return "_".join(parts) or "default"
+
+
+def _median(vals: list[float]) -> float:
+    v = sorted(vals)
+    n = len(v)
+    return float("nan") if not n else (v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2]))
+
+
+def configs_table(runs: list[dict]) -> str:
+    """Markdown: one row per (task, configuration), median [min–max] over its seeds at the trained r and at the
+    last loop of the loop-wise curve (each seed's values listed)."""
+    if not runs:
+        raise UserError("no finished runs found (no results.json)")
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in runs:
+        groups[(task_label(r.get("task", {})), config_key(r["_dir"]))].append(r)
+    lines = ["| task | configuration | variant | r | params | seeds | median at r [min–max] | per seed | "
+             "median at last t [min–max] |", "|---|---|---|---:|---:|---:|---|---|---|"]
+    for (label, key), rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda r: r.get("seed", 0))
+        metric = rs[0]["metric"]
+        vals = [_value(r) for r in rs]
+        last = [float(r["loopwise"][-1][metric]) for r in rs if r.get("loopwise")]
+        last_t = rs[0]["loopwise"][-1]["loop"] if rs[0].get("loopwise") else None
+        rng = f"{_fmt(_median(vals), metric)} [{_fmt(min(vals), metric)}–{_fmt(max(vals), metric)}]"
+        per = ", ".join(f"{r.get('seed', '?')}: {_fmt(v, metric)}" for r, v in zip(rs, vals))
+        lrng = (f"t={last_t}: {_fmt(_median(last), metric)} [{_fmt(min(last), metric)}–{_fmt(max(last), metric)}]"
+                if last else "")
+        lines.append(f"| {label} | {key} | {rs[0]['variant']} | {rs[0]['loops']} | {rs[0].get('params', '')} | "
+                     f"{len(rs)} | {rng} | {per} | {lrng} |")
+    return "\n".join(lines) + "\n"
+
+
 def runs_csv(runs: list[dict]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
@@ -226,7 +265,8 @@ def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = N
     dest = Path(out or folder)
     dest.mkdir(parents=True, exist_ok=True)
     written = {}
-    for name, text in (("table.md", md), ("table.csv", tab), ("runs.csv", runs_csv(runs))):
+    for name, text in (("table.md", md), ("table.csv", tab), ("runs.csv", runs_csv(runs)),
+                       ("by_config.md", configs_table(runs))):
         tmp = dest / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, dest / name)
