@@ -92,7 +92,7 @@ def test_loop_dynamics_tokens_against_direct_computation():
         assert res["loss"][t] == pytest.approx(float(ce), rel=1e-5)
         m = y != -100
         acc = float(((lg.argmax(-1) == y) & m).sum() / m.sum())
-        assert res["accuracy"][t] == pytest.approx(acc)
+        assert res["token_accuracy"][t] == pytest.approx(acc)
     am = out.all_logits.argmax(-1)
     answers = [[tuple(am[t, b, 5:].tolist()) for b in range(6)] for t in range(R)]
     assert res["settle"] == _settle_reference(answers)
@@ -117,7 +117,7 @@ def test_loop_dynamics_vectors_settle_and_squared_error():
     moved = [[any(a) for a in row] for row in answers]
     ref = [1 + max([t + 1 for t in range(5) if moved[t][b]], default=0) for b in range(4)]
     assert res["settle"] == ref
-    assert "accuracy" not in res
+    assert "token_accuracy" not in res
 
 
 def test_summarize_settle():
@@ -190,7 +190,7 @@ def test_trainer_logs_dynamics_without_changing_training(tmp_path):
     assert [r["step"] for r in recs] == [2, 4]
     assert not [r for r in read_metrics(tmp_path / "off") if r["split"] == "dynamics"]
     for r in recs:
-        for k in ("gate_attn", "gate_mlp", "alpha_attn", "alpha_mlp", "update", "loop_loss", "loop_accuracy"):
+        for k in ("gate_attn", "gate_mlp", "alpha_attn", "alpha_mlp", "update", "loop_loss", "loop_token_accuracy"):
             assert len(r[k]) == 3 and all(np.isfinite(r[k]))
         assert all(u >= 0 for u in r["update"])
         assert {f"grad_norm_{g}" for g in PARAM_GROUPS} <= set(r)
@@ -207,6 +207,10 @@ def test_analyze_dynamics_command(tmp_path, capsys):
     per = rep["per_loop"]
     assert per["loops"] == 6 and len(per["gate_attn"]) == 6 and per["gate_attn"][0] >= 0
     assert sum(per["settle_hist"]) == 20 and all(u >= 0 for u in per["update"])
+    ev = main(["eval", str(run), "--max-loops", "6", "--n", "20", "--json", str(tmp_path / "ev.json")])
+    assert ev == 0
+    curve = json.loads((tmp_path / "ev.json").read_text())["loopwise"]
+    assert per["accuracy"] == pytest.approx([c["accuracy"] for c in curve])   # the task's exact-match per loop
     assert [s for s in rep["training"]["step"]] == [2, 4]
     for f in ("dynamics.md", "dynamics_loops.png", "dynamics_train.png"):
         assert (tmp_path / "d" / f).stat().st_size > 0

@@ -46,7 +46,7 @@ def dynamics_of(model: torch.nn.Module, data: Any, *, loops: int, batch_size: in
         w = torch.as_tensor(batch["weight"], device=device) if "weight" in batch else None
         res = loop_dynamics(model, x, y, loops=loops, weight=w, ignore_index=IGNORE)
         n = x.shape[0]
-        for k in ("update", "loss", "accuracy"):
+        for k in ("update", "loss", "token_accuracy"):
             if k in res:
                 sums[k] = sums.get(k, 0.0) + np.asarray(res[k]) * n
                 weights[k] = weights.get(k, 0.0) + n
@@ -79,7 +79,8 @@ def training_curves(records: list[dict]) -> dict[str, list]:
 
 
 def to_markdown(res: dict[str, Any], trained: int) -> str:
-    cols = [c for c in ("accuracy", "loss", "update", *MOD_KEYS) if c in res]
+    head = [res["metric"]] if res.get("metric") in ("accuracy", "mse") and res["metric"] in res else []
+    cols = head + [c for c in ("token_accuracy", "loss", "update", *MOD_KEYS) if c in res]
     lines = ["| t | " + " | ".join(cols) + " | settled at t |", "|---" * (len(cols) + 2) + "|"]
     hist = res["settle_hist"]
     for t in range(res["loops"]):
@@ -101,9 +102,12 @@ def plot_loops(res: dict[str, Any], trained: int, path: str | os.PathLike, title
     t = np.arange(1, res["loops"] + 1)
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     ax = axes[0]
-    if "accuracy" in res:
-        ax.plot(t, res["accuracy"], marker=".", label="accuracy")
+    if "token_accuracy" in res:
+        ax.plot(t, res["token_accuracy"], marker=".", label="token accuracy")
+        if "accuracy" in res:
+            ax.plot(t, res["accuracy"], marker=".", label="accuracy")
         ax.set_ylabel("accuracy")
+        ax.legend(fontsize=7, loc="lower right")
         ax2 = ax.twinx()
         ax2.plot(t, res["loss"], color="C1", marker=".", label="loss")
         ax2.set_ylabel("loss")
@@ -176,6 +180,7 @@ def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 50
                      device: str = "auto") -> dict[str, Any]:
     """The `analyze dynamics` command's work: measure, then write json / md / png into `out`."""
     from loopformer.configio import from_dict
+    from loopformer.eval.evaluate import evaluate
     from loopformer.model.io import load, read_config
     from loopformer.train.config import TaskConfig
     from loopformer.train.data import make_data
@@ -204,6 +209,10 @@ def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 50
     trained = model.config.loops
     R = max_loops or 2 * trained
     res = dynamics_of(model, data, loops=R, batch_size=batch_size, limit=limit, device=dev)
+    ev = evaluate(model, data, loops=trained, max_loops=R, batch_size=batch_size, limit=limit, device=dev)
+    if ev["loopwise"]:   # the task's headline metric after every loop (e.g. exact-match accuracy)
+        res[ev["metric"]] = [float(m[ev["metric"]]) for m in ev["loopwise"]]
+        res["metric"] = ev["metric"]
     report: dict[str, Any] = {"checkpoint": str(p), "trained_loops": trained, "variant": model.config.variant,
                               "per_loop": res}
     curves = training_curves(read_metrics(run_dir)) if run_dir is not None else {"step": []}

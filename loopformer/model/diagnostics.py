@@ -79,8 +79,8 @@ def loop_dynamics(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
 
     inputs [B,T] ids or [B,T,d] reals; targets [B,T] class ids (`ignore_index` unsupervised) or reals with
     `weight` [B,T] (1 = supervised). Returns lists over t = 1..loops — "update" (mean over samples of the relative
-    change of the residual stream), "loss" (cross-entropy per supervised token, or squared error), "accuracy"
-    (token tasks: per supervised token) — and "settle": every sample's settle loop [B] (token tasks: the answer is
+    change of the residual stream), "loss" (cross-entropy per supervised token, or squared error), "token_accuracy"
+    (token tasks: the share of supervised tokens right) — and "settle": every sample's settle loop [B] (token tasks: the answer is
     the argmax at its supervised positions; vector tasks: it has settled once all later read-outs are within
     `settle_tol` · (1 + |final|) of the final one).
     """
@@ -112,7 +112,7 @@ def loop_dynamics(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
         ce = ce.view(R, -1).sum(1) / mask.sum().clamp(min=1)
         am = logits.argmax(-1)                                                        # [R,B,T]
         res["loss"] = ce.tolist()
-        res["accuracy"] = (((am == targets) & mask).sum(dim=(1, 2)) / mask.sum().clamp(min=1)).tolist()
+        res["token_accuracy"] = (((am == targets) & mask).sum(dim=(1, 2)) / mask.sum().clamp(min=1)).tolist()
         changed = ((am != am[-1]) & mask).any(-1)                                     # [R,B]
     # settle loop: 1 + the last loop whose answer differs from the final one (1 if it never differs)
     R = changed.shape[0]
