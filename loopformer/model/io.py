@@ -4,22 +4,30 @@
     DIR/config.json         the ModelConfig fields at top level (what `PyTorchModelHubMixin` expects, so
                             `LoopedTransformer.from_pretrained(DIR)` and `push_to_hub` work), plus "run" (the
                             resolved run config), "task" and "loopformer_version"
-    DIR/training_state.pt   optional: optimizer, scheduler, RNG states, step, data position
+    DIR/training_state.pt   optional: optimizer, scheduler, RNG states, step, data position — tensors and plain
+                            values only, loaded with `weights_only=True` (a file that needs anything else is
+                            refused: unpickling arbitrary objects could run code)
 
-A folder is written next to its destination and renamed into place, so a crash never leaves a half-written
-checkpoint; loading is strict (missing or unexpected weights are errors).
+A folder is written next to its destination (`.NAME.tmp-*`) and renamed into place; an existing folder is first
+renamed aside (`.NAME.old-*`) and deleted after the swap, so a crash never leaves a half-written checkpoint. A
+process killed between the two renames leaves no `NAME/` but complete hidden folders: `recover_checkpoint` puts
+the newest complete one back in place and deletes the leftovers. Loading is strict (missing or unexpected weights
+are errors) and a truncated or corrupt file is a one-line `UserError`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from loopformer.configio import from_dict, to_dict
@@ -46,14 +54,90 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def replace_dir(tmp: Path, dest: Path) -> None:
-    """Move the finished folder `tmp` to `dest`, replacing an existing `dest` with only a rename-sized window."""
+    """Move the finished folder `tmp` to `dest`, replacing an existing `dest` with only a rename-sized window
+    (a kill inside it is repaired by `recover_checkpoint`)."""
     if dest.exists():
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
         os.replace(dest, old)
         os.replace(tmp, dest)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, dest)
+
+
+def _hidden(dest: Path) -> list[Path]:
+    """The swap's hidden folders next to `dest` (`.NAME.tmp-*`, `.NAME.old-*`)."""
+    if not dest.parent.is_dir():
+        return []
+    return sorted(p for p in dest.parent.iterdir()
+                  if p.name.startswith((f".{dest.name}.tmp-", f".{dest.name}.old-")) and p.is_dir())
+
+
+def safetensors_complete(path: Path) -> bool:
+    """Whether a .safetensors file is whole: its header parses and the file is as long as the header says."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return False
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return False
+            header = json.loads(fh.read(n))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        return 8 + n + max(ends, default=0) == size
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return False
+
+
+def checkpoint_step(path: str | os.PathLike) -> Optional[int]:
+    """The step of a complete checkpoint folder (-1 without training state), or None when it is incomplete."""
+    p = Path(path)
+    try:
+        json.loads((p / CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    if not safetensors_complete(p / WEIGHTS):
+        return None
+    if not (p / STATE).is_file():
+        return -1
+    try:
+        state = load_training_state(p)
+    except UserError:
+        return None
+    return int(state["step"]) if state else None
+
+
+def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
+    """Repair a checkpoint swap cut short, then delete its leftovers.
+
+    If `path` is missing (a kill between the two renames of `replace_dir`) or incomplete, the newest complete
+    hidden folder of the swap is renamed into place. Every other hidden folder is deleted. Returns `path` if a
+    checkpoint is there afterwards, else None. Call it only when no other process is writing this checkpoint.
+    """
+    dest = Path(path)
+    hidden = _hidden(dest)
+    if not hidden:
+        return dest if dest.exists() else None
+    if not dest.exists() or checkpoint_step(dest) is None:
+        best: Optional[tuple[int, Path]] = None
+        for h in hidden:
+            step = checkpoint_step(h)
+            if step is not None and (best is None or step > best[0]):
+                best = (step, h)
+        if best is not None:
+            if dest.exists():
+                broken = dest.with_name(f".{dest.name}.old-broken-{os.getpid()}")
+                os.replace(dest, broken)
+                hidden.append(broken)
+            os.replace(best[1], dest)
+    for h in hidden:
+        if h.exists():
+            shutil.rmtree(h, ignore_errors=True)
+    return dest if dest.exists() else None
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Optional[dict] = None,
@@ -76,6 +160,9 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Opt
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for h in _hidden(dest):           # leftovers of earlier swaps cut short
+        if h.name.startswith(f".{dest.name}.old-"):
+            shutil.rmtree(h, ignore_errors=True)
     return dest
 
 
@@ -86,8 +173,10 @@ def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
         raise UserError(f"{p} is not a loopformer checkpoint (needs {CONFIG} and {WEIGHTS})")
     try:
         data = json.loads((p / CONFIG).read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{p / CONFIG} is not valid JSON: {exc}") from None
+    except (ValueError, OSError) as exc:   # bad JSON, not UTF-8, unreadable
+        raise UserError(f"{p / CONFIG} is not valid JSON: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{p / CONFIG} is not a JSON object")
     extra = {k: data.pop(k) for k in list(data) if k in RESERVED_KEYS}
     return from_dict(ModelConfig, data), extra
 
@@ -101,18 +190,49 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", **override
     if overrides:
         cfg = cfg.replace(**overrides)
     model = LoopedTransformer(cfg)
+    load_weights(model, path, device)
+    return model.to(device).eval()
+
+
+def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | torch.device = "cpu") -> None:
+    """Load `path/model.safetensors` into `model` strictly; a truncated file or a shape mismatch is a UserError."""
+    f = Path(path) / WEIGHTS
+    if not safetensors_complete(f):
+        raise UserError(f"{f} is truncated or corrupt")
     try:
-        missing, unexpected = load_model(model, str(Path(path) / WEIGHTS), strict=False, device=str(device))
-    except (RuntimeError, OSError) as exc:  # shape mismatch, truncated file
+        missing, unexpected = load_model(unwrap(model), str(f), strict=False, device=str(device))
+    except (RuntimeError, OSError, SafetensorError) as exc:  # shape mismatch, unreadable file
         first = str(exc).strip().splitlines()
         detail = next((line.strip() for line in first if "mismatch" in line), first[0] if first else "")
         raise UserError(f"checkpoint {path} does not match its config: {detail[:200]}") from None
     if missing or unexpected:
         raise UserError(f"checkpoint {path} does not match its config: missing {sorted(missing)[:3]}, "
                         f"unexpected {sorted(unexpected)[:3]}")
-    return model.to(device).eval()
 
 
 def load_training_state(path: str | os.PathLike) -> Optional[dict]:
+    """The training state of a checkpoint folder (None if it has none), loaded without unpickling code.
+
+    Only tensors and plain values (dict, list, tuple, str, int, float, bool, None) are accepted
+    (`torch.load(weights_only=True)`); anything else, a truncated file or a state without step / optimizer / RNG
+    is a one-line UserError.
+    """
     f = Path(path) / STATE
-    return torch.load(f, map_location="cpu", weights_only=False) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
+            raise UserError(f"{f} holds objects other than tensors and plain values; refusing to load it "
+                            f"(unpickling them could run code)") from None
+        raise UserError(f"{f} is truncated or corrupt") from None
+    except Exception:  # truncated zip, bad pickle stream
+        raise UserError(f"{f} is truncated or corrupt") from None
+    ok = (isinstance(state, dict) and isinstance(state.get("step"), int) and not isinstance(state["step"], bool)
+          and state["step"] >= 0 and isinstance(state.get("optimizer"), dict)
+          and isinstance(state.get("rng"), (list, tuple)) and len(state["rng"]) > 0
+          and all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) for r in state["rng"]))
+    if not ok:
+        raise UserError(f"{f} is not a loopformer training state (needs step, optimizer and rng)")
+    return state

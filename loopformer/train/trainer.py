@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
-from loopformer.model.io import load_training_state, save_checkpoint, unwrap
+from loopformer.model.io import load_training_state, load_weights, recover_checkpoint, save_checkpoint, unwrap
 from loopformer.tasks.base import IGNORE
 from loopformer.model.looped import LoopedTransformer
 from loopformer.train.config import RunConfig, load_run_config
@@ -90,6 +90,41 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def nonfinite_key(record: dict) -> Optional[str]:
+    """The first key of `record` holding a NaN or infinite number (also inside lists), or None."""
+    for k, v in record.items():
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        for x in vals:
+            if isinstance(x, dict):
+                bad = nonfinite_key(x)
+                if bad is not None:
+                    return f"{k}.{bad}"
+            elif isinstance(x, float) and not math.isfinite(x):
+                return k
+    return None
+
+
+def _finite_or_none(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def nonfinite_parameter(model: torch.nn.Module) -> Optional[str]:
+    """The name of the first parameter holding a NaN or an infinity, or None (one host sync)."""
+    params = [(n, p) for n, p in unwrap(model).named_parameters()]
+    if not params:
+        return None
+    flags = torch.stack([torch.isfinite(p.detach()).all() for _, p in params])
+    if bool(flags.all()):
+        return None
+    return params[int((~flags).nonzero()[0, 0])][0]
+
+
 def read_results(run_dir: str | os.PathLike) -> Optional[dict]:
     f = Path(run_dir) / RESULTS_FILE
     return json.loads(f.read_text()) if f.is_file() else None
@@ -113,14 +148,17 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
 class MetricsLog:
     """metrics.jsonl (rank 0), mirrored to TensorBoard / Weights & Biases when those are installed and enabled."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, keep_until: Optional[int], enabled: bool):
+    def __init__(self, run_dir: Path, cfg: RunConfig, keep_until: Optional[int], enabled: bool,
+                 final_step: Optional[int] = None):
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.tb = self.wandb = None
         if not enabled:
             return
         if keep_until is not None:   # resuming: drop what was logged after the checkpoint
-            kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= keep_until]
+            kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= keep_until
+                    and not (final_step is not None and keep_until == final_step and r.get("step") == final_step
+                             and r.get("split") == "test")]    # the final evaluation is written again
             _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif self.path.exists():
             self.path.unlink()
@@ -144,7 +182,14 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.fh.write(json.dumps(record) + "\n")
+        bad = nonfinite_key({k: record[k] for k in ("loss", "ppl") if k in record})
+        if bad is None:    # JSON has no NaN: an undefined statistic (no parsable answer, ...) is written as null
+            record = _finite_or_none(record)
+        else:              # a diverged loss: stop rather than log it
+            raise UserError(f"training diverged: {record.get('split', 'train')} {bad} is {record[bad.split('.')[0]]} "
+                            f"at step {record.get('step')}; the last good checkpoint is kept (lower train.lr or "
+                            f"enable train.grad_clip)")
+        self.fh.write(json.dumps(record, allow_nan=False) + "\n")
         self.fh.flush()
         split, step = record.get("split", "train"), record.get("step", 0)
         scalars = {}
@@ -227,6 +272,15 @@ def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loop
     return rec
 
 
+def results_done(run_dir: Path, step: int) -> bool:
+    """Whether the run in `run_dir` finished at `step` (results.json written for that many steps)."""
+    try:
+        res = read_results(run_dir)
+    except (ValueError, OSError):
+        return False
+    return bool(res) and res.get("steps") == step
+
+
 def resolve_resume(path: str | os.PathLike) -> Path:
     """The run folder of `--resume PATH` (PATH may be the run folder or its checkpoint folder)."""
     p = Path(path)
@@ -271,6 +325,8 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
     run_dir = Path(cfg.out_dir)
     ckpt_dir = run_dir / CKPT_DIR
     if d.main:
+        if ckpt_dir.parent.is_dir():
+            recover_checkpoint(ckpt_dir)           # a swap cut short by a kill: put the checkpoint back in place
         if resume and not (ckpt_dir / "training_state.pt").is_file():
             raise UserError(f"cannot resume: {ckpt_dir} holds no training state")
         if not resume and (ckpt_dir.exists() or (run_dir / RESULTS_FILE).exists()):
@@ -291,14 +347,21 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
     start = 0
     state = None
     if resume:
-        from safetensors.torch import load_model
-
-        load_model(unwrap(model), str(ckpt_dir / "model.safetensors"), device=str(d.device))
+        load_weights(model, ckpt_dir, d.device)
         state = load_training_state(ckpt_dir)
-        optimizer.load_state_dict(state["optimizer"])
+        if state is None:
+            raise UserError(f"cannot resume: {ckpt_dir} holds no training state")
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+            raise UserError(f"cannot resume from {ckpt_dir}: its optimizer state does not fit this model "
+                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         start = int(state["step"])
+        if start >= total and results_done(run_dir, start):
+            barrier(d)
+            return read_results(run_dir)           # a finished run: nothing to do, nothing rewritten
         rngs = state["rng"]
         _set_rng_state(rngs[d.rank] if d.rank < len(rngs) else rngs[0], d.device)
 
@@ -310,7 +373,7 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
                 "resumed_from_step": start if resume else None, "total_steps": total,
                 "params": unwrap(model).num_params()}
         _atomic_write(run_dir / RUN_FILE, json.dumps(info, indent=2, default=str) + "\n")
-    log = MetricsLog(run_dir, cfg, start if resume else None, d.main)
+    log = MetricsLog(run_dir, cfg, start if resume else None, d.main, final_step=total)
 
     net: torch.nn.Module = model
     if d.active:
@@ -327,25 +390,44 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
     acc_loss = torch.zeros((), dtype=acc_dtype, device=d.device)
     acc_correct = torch.zeros((), dtype=acc_dtype, device=d.device)
     acc_count = acc_tokens = 0.0
+    if state is not None and state.get("window"):   # the log window the checkpoint cut (exact metrics on resume)
+        win = state["window"]
+        w = [float(x) for x in (win[d.rank] if d.rank < len(win) else win[0])]
+        acc_loss.fill_(w[0])
+        acc_correct.fill_(w[1])
+        acc_count, acc_tokens = w[2], w[3]
     window_t0 = time.perf_counter()
     last_eval = None
     classifies = data.kind in ("tokens", "text")
     dyn_every = (cfg.log.dynamics_every or tc.log_every) if cfg.log.dynamics else 0
     dyn_grads: dict[str, float] = {}
 
+    def check_finite(step: int) -> None:
+        """Stop before NaN / inf weights or a non-finite loss reach a checkpoint or the metrics log."""
+        bad = nonfinite_parameter(model)
+        if bad is None and not bool(torch.isfinite(acc_loss)):
+            bad = "the training loss"
+        if bad is not None:
+            raise UserError(f"training diverged: {bad} is not finite at step {step}; the last good checkpoint is "
+                            f"kept (lower train.lr or enable train.grad_clip)")
+
     def checkpoint(step: int) -> None:
-        rngs = gather_objects(d, _rng_state(d.device))
+        check_finite(step)
+        window = [float(acc_loss), float(acc_correct), float(acc_count), float(acc_tokens)]
+        mine = gather_objects(d, {"rng": _rng_state(d.device), "window": window})
         if d.main:
             save_checkpoint(ckpt_dir, model, run=to_dict(cfg), task=data.describe(),
                             training_state={"step": step, "optimizer": optimizer.state_dict(),
                                             "scaler": scaler.state_dict() if scaler else None,
-                                            "rng": rngs, "train_time": train_time, "total_steps": total})
+                                            "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
+                                            "train_time": train_time, "total_steps": total})
         barrier(d)
 
     def evaluation(step: int, final: bool) -> Optional[dict]:
         from loopformer.eval.evaluate import evaluate
 
         res = None
+        check_finite(step)
         if d.main:
             max_loops = (cfg.eval.max_loops or 2 * cfg.model.loops) if final and cfg.eval.loopwise else 0
             res = evaluate(model, data, loops=cfg.model.loops, max_loops=max_loops, batch_size=cfg.eval.batch_size,
@@ -410,13 +492,14 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
                                                            acc_tokens])
             now = time.perf_counter()
             rec = {"split": "train", "step": done, "loss": loss_sum / max(count, 1.0), "lr": lr, "loops": R,
-                   "grad_norm": float(gnorm) if gnorm is not None else float("nan"),
+                   "grad_norm": float(gnorm) if gnorm is not None else None,
                    "tokens_per_s": tokens / max(now - window_t0, 1e-9),
                    "train_time": train_time}
             if classifies:
                 rec["accuracy"] = correct / max(count, 1.0)
             if not math.isfinite(rec["loss"]):
-                raise UserError(f"the loss became {rec['loss']} at step {done}; lower train.lr or enable clipping")
+                raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
+                                f"checkpoint is kept (lower train.lr or enable train.grad_clip)")
             log.write(rec)
             post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
             if "accuracy" in rec:
