@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any, Iterable, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from loopformer.errors import UserError
@@ -38,9 +38,12 @@ def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] 
         if not os.path.isfile(path):
             raise UserError(f"config file not found: {path}")
         try:
-            layers.append(OmegaConf.load(path))
-        except Exception as exc:  # yaml errors
+            layer = OmegaConf.load(path)
+        except Exception as exc:  # yaml errors, unreadable or non-UTF-8 files
             raise UserError(f"cannot parse config {path}: {_one_line(exc)}") from None
+        if not isinstance(layer, DictConfig):
+            raise UserError(f"config {path} must hold key: value pairs at the top level (it holds a list)")
+        layers.append(layer)
     overrides = list(overrides)
     for ov in overrides:
         if "=" not in ov:

@@ -255,7 +255,46 @@ def read_manifest(path: str | os.PathLike) -> dict:
                         f"reads version {FORMAT_VERSION}")
     if not isinstance(manifest["options"], dict) or not isinstance(manifest["arrays"], dict):
         raise UserError(f"malformed manifest {mpath}: 'options' and 'arrays' must be objects")
+    _check_manifest_fields(manifest, mpath)
     return manifest
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_manifest_fields(m: dict, mpath: str) -> None:
+    """Types of every field the loaders read; a malformed one is a UserError naming it."""
+    def bad(field: str, want: str):
+        raise UserError(f"malformed manifest {mpath}: {field} must be {want}")
+
+    if not isinstance(m["task"], str):
+        bad("'task'", "a task name")
+    if not isinstance(m["counts"], dict) or not all(_is_int(v) and v >= 0 for v in m["counts"].values()):
+        bad("'counts'", "an object of row counts")
+    if not isinstance(m["checksums"], dict) or not all(isinstance(v, str) for v in m["checksums"].values()):
+        bad("'checksums'", "an object of SHA-256 strings")
+    for key in ("seq_len", "vocab_size"):
+        if key in m and m[key] is not None and not (_is_int(m[key]) and m[key] >= 0):
+            bad(f"'{key}'", "a non-negative integer")
+    for split, arrays in m["arrays"].items():
+        if split not in SPLITS:
+            bad(f"arrays.{split}", f"one of the splits {SPLITS}")
+        if not isinstance(arrays, dict):
+            bad(f"arrays.{split}", "an object")
+        for key, meta in arrays.items():
+            field = f"arrays.{split}.{key}"
+            if not isinstance(key, str) or not key.isidentifier():
+                bad(field, "named by a plain identifier")
+            if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str):
+                bad(field, "an object with a dtype string and a shape list")
+            shape = meta.get("shape")
+            if not isinstance(shape, list) or not all(_is_int(x) and x >= 0 for x in shape):
+                bad(f"{field}.shape", "a list of non-negative integers")
+            try:
+                np.dtype(meta["dtype"])
+            except TypeError:
+                bad(f"{field}.dtype", "a numpy dtype")
 
 
 def open_dataset(path: str | os.PathLike, verify: bool = False, mmap: bool = True):

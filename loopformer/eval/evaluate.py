@@ -21,7 +21,24 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from loopformer.errors import UserError
 from loopformer.tasks.base import IGNORE
+
+MAX_LOOPS = 1024   # the most loops an evaluation runs (loops, max_loops), or twice the trained r if that is more
+
+
+def check_eval_args(loops: Optional[int] = None, max_loops: Optional[int] = None, batch_size: int = 1,
+                    limit: int = 0, trained: int = 0) -> None:
+    """One-line UserErrors for evaluation arguments out of range (None: the default). `trained`: the model's
+    trained loop count (raises the cap to 2 × trained when that exceeds MAX_LOOPS)."""
+    cap = max(MAX_LOOPS, 2 * trained)
+    for name, v in (("loops", loops), ("max_loops", max_loops)):
+        if v is not None and not 1 <= v <= cap:
+            raise UserError(f"{name} must be in 1..{cap} (got {v})")
+    if batch_size < 1:
+        raise UserError(f"batch_size must be >= 1 (got {batch_size})")
+    if limit < 0:
+        raise UserError(f"the number of test rows must be >= 0 (0: all; got {limit})")
 
 
 def _eval_batch_size(requested: int, loops: int, T: int, C: int, budget: float = 1.5e8) -> int:
@@ -36,11 +53,13 @@ def evaluate(model: torch.nn.Module, data: Any, *, loops: Optional[int] = None, 
     """Metrics of `model` on `data`'s test split at `loops` (default: the model's), plus the loop-wise curve.
 
     Returns {"loops": r, "max_loops": R, "metric": name, "metrics": {...at r}, "loopwise": [{"loop": t, ...}]}.
+    `loops` and `max_loops` are at most MAX_LOOPS; max_loops 0 / None means the default.
     """
     from loopformer.model.io import unwrap
 
     raw = unwrap(model)
     cfg = raw.config
+    check_eval_args(loops or None, max_loops or None, batch_size, limit, trained=cfg.loops)
     r = int(loops or cfg.loops)
     R = max(r, int(max_loops or 0)) if loopwise else r
     device = device or next(raw.parameters()).device

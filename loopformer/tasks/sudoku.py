@@ -484,26 +484,8 @@ LAYOUTS = {
 }
 
 
-def read_sudoku_csv(path: str | os.PathLike, layout: str, min_difficulty: float | None = None,
-                    limit: int | None = None) -> dict[str, np.ndarray]:
-    """Read one of the public Sudoku CSV layouts into digit arrays.
-
-    Returns {'puzzles': int8 [N, 81] (0 blank), 'solutions': int8 [N, 81], 'difficulty': float32 [N] (NaN when the
-    layout has no rating), 'line': int64 [N] (1-based line numbers in the file)}. Every row is checked (field
-    count, 81 cells, allowed characters, the solution is a valid grid that keeps the givens); the first bad row
-    raises a UserError naming its line. `min_difficulty` keeps rows rated at least that much.
-    """
-    if layout not in LAYOUTS:
-        raise UserError(f"unknown Sudoku layout {layout!r} (expected one of: {', '.join(LAYOUTS)})")
-    header, pcol, scol, rcol, blank = LAYOUTS[layout]
-    if min_difficulty is not None and rcol is None:
-        raise UserError(f"the {layout} layout has no difficulty column; drop --min-difficulty")
-    if not os.path.isfile(path):
-        raise UserError(f"file not found: {path}")
-    puzzles: list[str] = []
-    solutions: list[str] = []
-    ratings: list[float] = []
-    lines: list[int] = []
+def _read_rows(path, layout, header, pcol, scol, rcol, limit, puzzles, solutions, ratings, lines) -> None:
+    """Append the CSV's fields to the lists (see `read_sudoku_csv`)."""
     with open(path, newline="", encoding="utf-8") as fh:
         first = fh.readline()
         names = [h.strip().lower() for h in next(csv.reader(io.StringIO(first)))] if first.strip() else []
@@ -528,6 +510,35 @@ def read_sudoku_csv(path: str | os.PathLike, layout: str, min_difficulty: float 
             lines.append(lineno)
             if limit is not None and len(lines) >= limit:
                 break
+
+
+def read_sudoku_csv(path: str | os.PathLike, layout: str, min_difficulty: float | None = None,
+                    limit: int | None = None) -> dict[str, np.ndarray]:
+    """Read one of the public Sudoku CSV layouts into digit arrays.
+
+    Returns {'puzzles': int8 [N, 81] (0 blank), 'solutions': int8 [N, 81], 'difficulty': float32 [N] (NaN when the
+    layout has no rating), 'line': int64 [N] (1-based line numbers in the file)}. Every row is checked (field
+    count, 81 cells, allowed characters, the solution is a valid grid that keeps the givens); the first bad row
+    raises a UserError naming its line. `min_difficulty` keeps rows rated at least that much.
+    """
+    if layout not in LAYOUTS:
+        raise UserError(f"unknown Sudoku layout {layout!r} (expected one of: {', '.join(LAYOUTS)})")
+    header, pcol, scol, rcol, blank = LAYOUTS[layout]
+    if min_difficulty is not None and rcol is None:
+        raise UserError(f"the {layout} layout has no difficulty column; drop --min-difficulty")
+    if not os.path.isfile(path):
+        raise UserError(f"file not found: {path}")
+    puzzles: list[str] = []
+    solutions: list[str] = []
+    ratings: list[float] = []
+    lines: list[int] = []
+    try:
+        _read_rows(path, layout, header, pcol, scol, rcol, limit, puzzles, solutions, ratings, lines)
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text (after line {lines[-1] if lines else 1})") from None
+    except csv.Error as exc:
+        after = lines[-1] if lines else 1
+        raise UserError(f"{path}: after line {after}: malformed CSV ({exc})") from None
     n = len(lines)
     line_arr = np.asarray(lines, dtype=np.int64)
 
@@ -556,7 +567,7 @@ def read_sudoku_csv(path: str | os.PathLike, layout: str, min_difficulty: float 
     if n and not valid.all():
         i = int(np.flatnonzero(~valid)[0])
         raise UserError(f"{path}:{line_arr[i]}: the solution is not a valid grid for the puzzle")
-    r = np.asarray(ratings, dtype=np.float32) if ir >= 0 else np.full(n, np.nan, np.float32)
+    r = np.asarray(ratings, dtype=np.float32) if rcol else np.full(n, np.nan, np.float32)
     if min_difficulty is not None:
         keep = r >= min_difficulty
         p, s, r, line_arr = p[keep], s[keep], r[keep], line_arr[keep]

@@ -98,7 +98,13 @@ def _prepare(args) -> int:
 def default_device(name: Optional[str]) -> str:
     import torch
 
-    if name:
+    if name and name != "auto":
+        import re
+
+        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+            raise UserError(f"device must be cpu, cuda, cuda:N, mps or auto (got {name!r})")
+        if name == "mps" and not torch.backends.mps.is_available():
+            raise UserError("device mps: Apple MPS is not available")
         if name.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"--device {name}: CUDA is not available")
         return name
@@ -137,9 +143,10 @@ def _perplexity(args) -> int:
     from loopformer.text.dataset import TokenCorpus
     from loopformer.text.perplexity import estimate_perplexity, perplexity
 
+    device = default_device(args.device)
     corpus = TokenCorpus(args.data)
     tokens = corpus.tokens(args.split)
-    model = load_model(args.checkpoint, default_device(args.device))
+    model = load_model(args.checkpoint, device)
     _check_vocab(model, corpus)
     T = args.block_size or model.config.max_len
     if T > model.config.max_len and model.config.pos == "learned":
@@ -168,13 +175,14 @@ def _generate(args) -> int:
 
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, loops=args.loops)
+    device = default_device(args.device)
     if not os.path.isdir(args.checkpoint):
         raise UserError(f"checkpoint not found: {args.checkpoint}")
     data = args.data or checkpoint_data_dir(args.checkpoint)
     if data is None:
         raise UserError("cannot tell which tokenizer this checkpoint uses; pass --data DIR (its prepared corpus)")
     tokenizer = TokenCorpus(data).tokenizer()
-    model = load_model(args.checkpoint, default_device(args.device))
+    model = load_model(args.checkpoint, device)
     texts = generate_text(model, tokenizer, args.prompt, cfg, use_cache=not args.no_cache)
     for prompt, text in zip(args.prompt, texts):
         if len(args.prompt) > 1:

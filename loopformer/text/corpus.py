@@ -313,9 +313,44 @@ def read_manifest(folder: str | os.PathLike) -> dict:
             m = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot read {path}: {exc}") from None
-    if m.get("format") != FORMAT:
-        raise UserError(f"{path} has format {m.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise UserError(f"{path} has format {m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT!r}")
+    _check_fields(m, path)
     return m
+
+
+def _check_fields(m: dict, path: str) -> None:
+    """Types of every field the readers use; a malformed one is a UserError naming it."""
+    def bad(field: str, want: str):
+        raise UserError(f"malformed manifest {path}: {field} must be {want}")
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if m.get("dtype") not in ("uint8", "uint16", "uint32", "int32", "int64"):
+        bad("'dtype'", "uint16 or uint32")
+    for key in ("vocab_size", "eot_id"):
+        if not is_int(m.get(key)) or m[key] < 0:
+            bad(f"'{key}'", "a non-negative integer")
+    if m["eot_id"] >= m["vocab_size"]:
+        bad("'eot_id'", "below vocab_size")
+    if not isinstance(m.get("tokenizer"), dict) or not isinstance(m["tokenizer"].get("kind"), str):
+        bad("'tokenizer'", "an object with a kind")
+    tok_file = m["tokenizer"].get("file", TOKENIZER_FILE)
+    if not isinstance(tok_file, str) or os.path.basename(tok_file) != tok_file or tok_file in ("", ".", ".."):
+        bad("tokenizer.file", "a file name inside the corpus folder")
+    if not isinstance(m.get("splits"), dict) or not m["splits"]:
+        bad("'splits'", "an object of splits")
+    for split, info in m["splits"].items():
+        if split not in SPLITS or not isinstance(info, dict):
+            bad(f"splits.{split}", f"one of {SPLITS} with file, tokens and sha256")
+        f = info.get("file")
+        if not isinstance(f, str) or os.path.basename(f) != f or f in ("", ".", ".."):
+            bad(f"splits.{split}.file", "a file name inside the corpus folder")
+        if not is_int(info.get("tokens")) or info["tokens"] < 0:
+            bad(f"splits.{split}.tokens", "a non-negative integer")
+        if not isinstance(info.get("sha256"), str):
+            bad(f"splits.{split}.sha256", "a SHA-256 string")
 
 
 def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 22) -> str:
@@ -359,7 +394,19 @@ def _options_record(source: Source, opts: PrepareOptions, tokenizer: str) -> dic
 
 def prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareOptions] = None, *,
                    force: bool = False, progress: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Tokenise `source` into `out` (see the module docstring); returns the manifest. A no-op when up to date."""
+    """Tokenise `source` into `out` (see the module docstring); returns the manifest. A no-op when up to date.
+    A failure leaves `out` as it was (a folder this call created is removed)."""
+    created = not os.path.lexists(os.fspath(out))
+    try:
+        return _prepare_corpus(source, out, opts, force=force, progress=progress, log=log)
+    except BaseException:
+        if created and os.path.isdir(os.fspath(out)):
+            shutil.rmtree(os.fspath(out), ignore_errors=True)
+        raise
+
+
+def _prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareOptions], *, force: bool,
+                    progress: bool, log: Callable[[str], None]) -> dict:
     opts = opts or PrepareOptions()
     src = resolve_source(source, opts)
     tok_kind = opts.tokenizer if opts.tokenizer != "auto" else ("gpt2" if src.name == "wikitext103" else "bpe")

@@ -19,6 +19,8 @@ Shapes: B batch (prompts), P padded prompt length, V vocabulary, N new tokens.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -41,8 +43,8 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
-        if self.temperature < 0:
-            raise UserError(f"--temperature must be >= 0 (got {self.temperature})")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"temperature must be a finite number >= 0 (got {self.temperature})")
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"--top-k must be >= 1 (got {self.top_k})")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

@@ -29,6 +29,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from loopformer.train.trainer import load_for_resume, train
 
     config, overrides = _split_items(args.items, config_required=False)
+    if config is None and args.resume is None:
+        raise UserError("give a config file (e.g. loopformer train configs/cpu/lcs.yaml) or --resume RUN_DIR")
     if args.device:
         overrides.append(f"device={args.device}")
     if args.resume is not None:
@@ -59,16 +61,18 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
                         limit: int = 0, batch_size: int = 256, loopwise: bool = True) -> dict:
     """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise)."""
     from loopformer.configio import from_dict
-    from loopformer.eval.evaluate import evaluate
+    from loopformer.eval.evaluate import MAX_LOOPS, check_eval_args, evaluate
     from loopformer.model.io import load, read_config
     from loopformer.train.config import TaskConfig
     from loopformer.train.data import make_data
     from loopformer.train.distributed import pick_device
 
+    check_eval_args(None, None, batch_size, limit)
     p = Path(path)
     if (p / "checkpoint" / "config.json").is_file():
         p = p / "checkpoint"
-    _, extra = read_config(p)
+    model_cfg, extra = read_config(p)
+    check_eval_args(loops, max_loops, batch_size, limit, trained=model_cfg.loops)
     run = extra.get("run") or {}
     if not run.get("task"):
         raise UserError(f"{p} records no task (it was not written by `loopformer train`)")
@@ -77,7 +81,7 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     model = load(p, device=dev)
     data = make_data(task_cfg)
     r = loops or model.config.loops
-    res = evaluate(model, data, loops=r, max_loops=max_loops or (2 * r if loopwise else 0),
+    res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, max(MAX_LOOPS, 2 * model.config.loops)) if loopwise else 0),
                    batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=True)
     res["checkpoint"] = str(p)
     res["trained_loops"] = model.config.loops
@@ -85,6 +89,15 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from loopformer.eval.evaluate import check_eval_args
+
+    check_eval_args(None, None, args.batch_size, args.n)
+    if args.json:   # checked before the evaluation runs
+        parent = Path(args.json).resolve().parent
+        if not parent.is_dir():
+            raise UserError(f"--json {args.json}: folder {parent} does not exist")
+        if Path(args.json).is_dir():
+            raise UserError(f"--json {args.json} is a folder")
     res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device or "auto", args.n,
                               args.batch_size, loopwise=not args.no_loopwise)
     print(f"checkpoint: {res['checkpoint']} (trained with r = {res['trained_loops']}; evaluated at r = "
@@ -92,8 +105,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _print_eval(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"])
     if args.json:
         tmp = Path(args.json).with_name(f".{Path(args.json).name}.tmp")
-        tmp.write_text(json.dumps(res, indent=2) + "\n")
-        tmp.replace(args.json)
+        try:
+            tmp.write_text(json.dumps(res, indent=2) + "\n")
+            tmp.replace(args.json)
+        finally:
+            tmp.unlink(missing_ok=True)
         print(f"wrote {args.json}")
     return 0
 
@@ -171,7 +187,8 @@ def register(subparsers) -> None:
                               description="Test metrics of a checkpoint and the metric after each loop t = 1..R.")
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder or a run folder")
     p.add_argument("--loops", type=int, help="loops to run (default: the trained r)")
-    p.add_argument("--max-loops", type=int, help="loop-wise curve up to this many loops (default: 2 × loops)")
+    p.add_argument("--max-loops", type=int, help="loop-wise curve up to this many loops (default: 2 × loops; "
+                                                 "at most 1024)")
     p.add_argument("--no-loopwise", action="store_true", help="only the metrics at --loops")
     p.add_argument("--n", type=int, default=0, help="only the first N test rows")
     p.add_argument("--batch-size", type=int, default=256)

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional
 from omegaconf import OmegaConf
 
 from loopformer.configio import load_config, user_layers
+from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 
 LOSS_LOOPS = ("last", "all", "window")
@@ -82,7 +83,8 @@ class TrainConfig:
     log_every: int = 10
     precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16
     compile: bool = False             # torch.compile the model (GPU)
-    timestep_lr_mult: float = 1.0     # lr multiplier of the timestep embedder and the modulations (TMLT)
+    timestep_lr_mult: float = 0.1     # lr multiplier of the timestep embedder and the modulations (TMLT); 1: the
+                                      # paper's single learning rate. See docs/tmlt-study.md
     timestep_weight_decay: Optional[float] = None  # their weight decay (None: weight_decay)
 
     def __post_init__(self) -> None:
@@ -115,8 +117,8 @@ class EvalConfig:
     loopwise: bool = True             # record the metric after every loop t = 1..max_loops
 
     def __post_init__(self) -> None:
-        _need(self.batch_size >= 1 and self.n >= 0 and self.max_loops >= 0,
-              "eval: need batch_size >= 1, n >= 0 and max_loops >= 0")
+        _need(self.batch_size >= 1 and self.n >= 0 and 0 <= self.max_loops <= 1024,
+              "eval: need batch_size >= 1, n >= 0 and 0 <= max_loops <= 1024")
 
 
 @dataclass
@@ -172,7 +174,11 @@ def load_run_config(path: Optional[str | os.PathLike] = None, overrides: Iterabl
 
     overrides = list(overrides)
     raw = _raw_layers(path, overrides)
-    task_raw = dict((base or {}).get("task", {}))
+    for layer in (base or {}, raw):
+        if not isinstance(layer.get("task", {}) or {}, dict):
+            raise UserError("config error: task must hold key: value pairs (task.name, task.options, ...), "
+                            "not a list or a value")
+    task_raw = dict((base or {}).get("task", {}) or {})
     task_raw.update(raw.get("task", {}) or {})
     task_cfg = load_config(TaskConfig, base={"task": task_raw}["task"]) if task_raw else TaskConfig()
     fixed = {"model": model_fields(task_cfg)}
