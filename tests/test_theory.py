@@ -85,15 +85,46 @@ def test_contextual_mapping_ext(m, d, N):
     assert wrong > 0
 
 
-def test_softmax_temperature():
-    from loopformer.theory.verify import smallest_temperature, softmax_error
+def test_softmax_temperature_paper_criterion():
+    from loopformer.theory.verify import paper_criterion, smallest_temperature, softmax_gaps
     lam = C.softmax_temperature_bound(3, 2)
     assert math.isclose(lam, math.log(4 * 9))
-    assert softmax_error(3, 2, lam, printed=False) < 0.5          # Eq. 111 suffices with the gap-1 margin
-    lmin = smallest_temperature(3, 2, printed=False, tol=0.05)
+    # the printed default margin: M = smallest integer above (δ^-d − 1)/ε = 4
+    assert C.contextual_mapping(3, 2, printed=True).meta["M"] == 5
+    lo, hi = softmax_gaps(3, 2, lam, printed=True)
+    assert isinstance(lo, F) and lo < 0 < hi < F(1, 2)            # |k − k̃| < ½, yet k̃ > k: Eq. 94 is violated
+    assert not paper_criterion(lo, hi)
+    assert softmax_gaps(3, 2, 40, printed=True)[0] < 0              # the overshoot stays at every λ
+    assert smallest_temperature(3, 2, printed=True, hi=16.0) == math.inf
+    lo, hi = softmax_gaps(3, 2, lam, printed=False)                 # M = 2δ^-d/ε: scores ≥ 1 apart
+    assert 0 < lo <= hi < 1 and paper_criterion(lo, hi)
+    lmin = smallest_temperature(3, 2, printed=False, hi=lam, tol=0.05)
     assert lmin <= lam
-    assert softmax_error(3, 2, lmin * 0.9, printed=False) >= 0.5
-    assert softmax_error(3, 2, lam, printed=True) >= 0.5           # M close to (δ^-d−1)/ε: Eq. 107 gap < 1
+    assert not paper_criterion(*softmax_gaps(3, 2, max(lmin - 0.1, 0.01), printed=False))
+    # Eq. 108–110: |k − k̃| ≤ N² δ^-Nd e^{−λ} holds with the gap of 1, not with the printed margins
+    lam8 = lam + 8
+    bound = 4 * 9 * math.exp(-lam8)
+    assert max(map(abs, softmax_gaps(3, 2, lam8, printed=False))) <= F(bound)
+    assert max(map(abs, softmax_gaps(3, 2, lam8, printed=True))) > F(bound)
+    assert max(map(abs, softmax_gaps(3, 2, lam8, printed=True, M="edge"))) > F(bound)
+
+
+def test_softmax_single_token_reference():
+    # N = 1: one loop over one token; softmax of one score is 1, so k̃ = k exactly (an independent reference),
+    # and k − k̃ = 0 is outside the open interval (0, 1) of the paper's criterion
+    from loopformer.theory.verify import paper_criterion, softmax_gaps
+    lo, hi = softmax_gaps(3, 1, 2.0, printed=False)
+    assert lo == hi == 0 and not paper_criterion(lo, hi)
+
+
+def test_verify_rows_compare_exactly():
+    from loopformer.theory.verify import Row
+    tiny = F(1, 10 ** 400)                                             # float(tiny) == 0.0
+    assert not Row("x", "c", "s", 0, tiny, 0, "repaired", "holds").holds
+    assert Row("x", "c", "s", 0, -tiny, 0, "repaired", "holds").holds
+    assert not Row("x", "c", "s", 0, F(1, 2), F(1, 2), "repaired", "holds", strict=True).holds
+    r = Row("x", "c", "s", 0, F(1, 2), 1, "repaired", "holds", strict=True, low=0, error_min=-tiny)
+    assert not r.holds and r.passed is False
 
 
 # ------------------------------------------------------------------------------------------------ Lemma A.9
@@ -105,6 +136,23 @@ def test_bit_extraction(bits):
         assert evaluate(net, [[k]])[0] == [sum(bits[:k])]
     printed = C.bit_extraction(bits, printed=True)
     assert evaluate(printed, [[len(bits)]])[0] != [sum(bits)]
+
+
+@pytest.mark.parametrize("bits", [[0], [1, 0], [1, 1, 0], [0, 1, 0, 1, 1, 0], [1, 0, 0, 1, 1, 0, 1, 0, 0],
+                                  [1, 1, 0, 1, 0, 0, 1], [0, 0, 0, 0]])
+def test_bit_extraction_every_k(bits):
+    # repaired: Σ_{l≤k} θ_l at every k = 0..r, also when θ_r = 0
+    net, printed = C.bit_extraction(bits), C.bit_extraction(bits, printed=True)
+    r = len(bits)
+    for k in range(r + 1):
+        assert evaluate(net, [[k]])[0] == [sum(bits[:k])]
+        # printed output matrix: step_ε(k−l) turns negative after one loop and no θ is ever added
+        assert evaluate(printed, [[k]])[0] == [0]
+        # coordinate 2 (printed as β_l) runs 0, 0, −θ_1, −θ_1−θ_2, …: it never holds β_l
+        seen = []
+        evaluate(net, [[k]], trace=lambda t, H: seen.append(H[0][1]))
+        assert seen == [0] + [-sum(bits[:l - 1]) for l in range(2, r + 1)]
+        assert all(v <= 0 for v in seen)
 
 
 # ------------------------------------------------------------------------------------------ Lemma 4.1 / 4.2
@@ -146,6 +194,54 @@ def test_exact_memorization(seed, K, d):
         assert evaluate(net, [[k]])[0] == y[k]
     printed = C.exact_memorization(y, printed=True)
     assert any(evaluate(printed, [[k]])[0] != y[k] for k in range(K))
+
+
+Y42 = [[F(v)] for v in (3, -2, F(1, 2), 4, -1, 2)]
+
+
+def test_exact_memorization_start_repair_alone_suffices_with_positive_shift():
+    # Eq. 377 leaves ε free: shift every label above 0 and the printed bias −1 and M = max y + 1 are correct
+    net = C.exact_memorization(Y42, repairs=("start",), shift="positive")
+    assert net.meta["shifts"] == (F(3),)                               # 1 − min y
+    assert [evaluate(net, [[k]])[0] for k in range(6)] == Y42
+    ys = [v[0] + 3 for v in Y42]
+    # the start repair changes η_4 of Eq. 378 from y_l/y_{l−1} to (y_l − y_0)/y_{l−1}
+    assert [e[3] for e in net.eta] == [(ys[l] - ys[0]) / ys[l - 1] for l in range(1, 6)]
+    assert [e[2] for e in net.eta] == [ys[l] / ys[l - 1] - 1 for l in range(1, 6)]
+    plain = C.exact_memorization(Y42, repairs=("bias", "M"), shift="positive")
+    assert [e[3] for e in plain.eta] == [ys[l] / ys[l - 1] for l in range(1, 6)]
+
+
+def test_exact_memorization_printed_start_returns_next_label():
+    # bias and M repaired, printed L1 = (k, k, y0, 0): the counter is one loop late -> y_{k+1}; at k = K−1
+    # nothing is added and L2 returns 0 − ε
+    net = C.exact_memorization(Y42, repairs=("bias", "M"), shift="positive")
+    outs = [evaluate(net, [[k]])[0] for k in range(6)]
+    assert outs == Y42[1:] + [[-net.meta["shifts"][0]]]
+
+
+def test_exact_memorization_bias_needed_only_for_labels_below_zero():
+    # smallest non-zero shift: labels stay negative; the printed bias carries σ(y) − σ(−y−1) ≠ y for y < 0
+    bad = C.exact_memorization(Y42, repairs=("start", "M"))
+    assert bad.meta["shifts"] == (F(0),)
+    assert any(evaluate(bad, [[k]])[0] != Y42[k] for k in range(6))
+    good = C.exact_memorization(Y42, repairs=("start", "M", "bias"))
+    assert [evaluate(good, [[k]])[0] for k in range(6)] == Y42
+
+
+def test_exact_memorization_M_needed_only_below_minus_max():
+    y = [[F(v)] for v in (1, -5, 2, -3, 1)]                          # −5 < −(max y + 1) = −3
+    bad = C.exact_memorization(y, repairs=("start", "bias"))
+    assert any(evaluate(bad, [[k]])[0] != y[k] for k in range(5))
+    good = C.exact_memorization(y, repairs=("start", "bias", "M"))
+    assert [evaluate(good, [[k]])[0] for k in range(5)] == y
+    y2 = [[F(v)] for v in (1, -2, 2, -3, 1)]                         # −3 ≥ −(max y + 1): printed M suffices
+    ok = C.exact_memorization(y2, repairs=("start", "bias"))
+    assert [evaluate(ok, [[k]])[0] for k in range(5)] == y2
+    with pytest.raises(ValueError):
+        C.exact_memorization(y, repairs=("start", "nope"))
+    with pytest.raises(ValueError):
+        C.exact_memorization([[F(1)], [F(2)], [F(3)]], shift=-1)    # leaves y_0 = 0
 
 
 # ------------------------------------------------------------------------------------------- preconditions
@@ -261,6 +357,20 @@ def test_cli_verify_section(capsys):
     assert main(["theory", "verify", "--section", "Lemma A.9", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "as printed" in out and "repaired" in out and "FAIL" not in out
+
+
+def test_verify_theorem42_rows_isolate_each_change():
+    from loopformer.theory.verify import rows_memorization
+    rows = [r for r in rows_memorization() if r.construction.startswith("Theorem 4.2")]
+    assert all(r.passed for r in rows)
+    by_version = {}
+    for r in rows:
+        by_version.setdefault(r.version, []).append(r)
+    assert all(r.holds for r in by_version["start repair only, ε: all y > 0"])
+    assert all(not r.holds for r in by_version["bias + M repairs, printed start"])
+    assert by_version["start + M repairs, printed bias, y ≤ 0 kept"]
+    assert all(not r.holds for r in by_version["start + M repairs, printed bias, y ≤ 0 kept"])
+    assert len(by_version["start + bias repairs, printed M, y < −(max y + 1) kept"]) == 1
 
 
 def test_cli_user_errors(capsys, tmp_path):

@@ -265,14 +265,18 @@ def bit_extraction(thetas: Sequence[int], eps=None, printed: bool = False) -> Lo
 
         L2 ∘ (id + FF)^r ∘ L1(k) = Σ_{l=1}^{k} θ_l,   k = 1..r   (and 0 for k = 0, as Lemma 4.1 uses)   (Eq. 289)
 
-    State ξ_l = (k−l, β_l, β_{l+1}, step_ε(β_l − ½), step_ε(k−l), sum(l)) (Eq. 303); the loop unrolls
-    θ_l = step_ε(β_l − ½), β_{l+1} = 2β_l − θ_l (Eq. 293–296) and adds σ(θ_l + step_ε(k−l) − 1) = θ_l·[k ≥ l]
-    (Eq. 297–302).  Needs ε ≤ 2^{−r} (the paper: ε < 2^{−r}); bit complexity O(r).
+    State after loop l (Eq. 303, with what the coordinates actually hold):
+    ξ_l = (k−l, c_l, β_{l+1}, θ_l, step_ε(k−l), sum(l)), from ξ_0 = (k, 0, β_1, 0, 0, 0).  The loop unrolls
+    θ_l = step_ε(β_l − ½), β_{l+1} = 2β_l − θ_l in coordinate 3 (Eq. 293–296) and adds
+    σ(θ_l + step_ε(k−l) − 1) = θ_l·[k ≥ l] (Eq. 297–302).  Coordinate 2 is printed as β_l, updated by
+    x2 + σ(x2) − σ(x4) = 2x2 − θ for x2 ≥ 0; but it starts at β_0 := 0, and σ(x2) = 0 once x2 ≤ 0, so it runs
+    c_0 = c_1 = 0, c_l = −(θ_1 + … + θ_{l−1}) — not β_l.  Nothing else reads coordinate 2, so the output is
+    unaffected.  Needs ε ≤ 2^{−r} (the paper: ε < 2^{−r}); bit complexity O(r).
 
     Repair (the 6×9 output matrix, rows 4–5): the matrix disagrees with the vector it is said to produce
     (printed right below it): row 4 also subtracts σ(step_ε(k−l)) and row 5 has the signs of the two
     step_ε(k−l−1) units flipped, so the stored step_ε(k−l) turns negative after one loop and no θ is ever
-    added.  Rows 4–5 follow the evaluated vector: (0,−1,0,1,−1,0,0,0,0) and (0,0,0,0,0,−1,1,−1,0).
+    added: as printed the output is 0 for every k and every bit list.  Rows 4–5 follow the evaluated vector: (0,−1,0,1,−1,0,0,0,0) and (0,0,0,0,0,−1,1,−1,0).
     Repair (Eq. 361): loop l adds θ_l·[k ≥ l] with the factors precomputed in loop l−1, so r loops from
     ξ_0 = (k, β_0, β_1, 0, 0, 0) add θ_1..θ_{r−1} only; θ_r·[k ≥ r] is left in (x4, x5) = (θ_r, step(k−r))
     after the last loop.  Since θ_r is a constant of the construction, L2(x) = x6 + θ_r·x5 (still affine)
@@ -379,8 +383,15 @@ def memorization(y, eps: Optional[Sequence] = None, printed: bool = False) -> Lo
 
 
 # ---------------------------------------------------------------------------------------------- Theorem 4.2
-def _shift_for(ys: Sequence[Fraction]) -> Fraction:
-    """Eq. 377: the smallest shift in {0, 1, 1/2, 1/3, …} that makes y_0..y_{K−2} non-zero."""
+def _shift_for(ys: Sequence[Fraction], rule="nonzero") -> Fraction:
+    """Eq. 377: the shift ε added to every label.  rule "nonzero": the smallest shift in {0, 1, 1/2, 1/3, …}
+    that makes y_0..y_{K−2} non-zero (what the proof needs with the repaired bias and M); "positive": 0 if every
+    label is already > 0, else 1 − min_k y_k (every shifted label ≥ 1); or an explicit number."""
+    if rule == "positive":
+        lo = min(ys)
+        return F(0) if lo > 0 else 1 - lo
+    if rule != "nonzero":
+        return frac(rule)
     cands = [F(0)] + [F(1, n) for n in range(1, 4 * len(ys) + 4)]
     for c in cands:
         if all(v + c != 0 for v in ys[:-1]):
@@ -388,46 +399,62 @@ def _shift_for(ys: Sequence[Fraction]) -> Fraction:
     raise AssertionError("unreachable: finitely many labels")
 
 
-def exact_memorization(y, printed: bool = False) -> LoopedNet:
+THEOREM_42_REPAIRS = ("bias", "M", "start")
+
+
+def exact_memorization(y, printed: bool = False, repairs: Optional[Sequence[str]] = None,
+                       shift="nonzero") -> LoopedNet:
     """Theorem 4.2: for y_0..y_{K−1} ∈ R^d a FF: R^{4d} → R^{4d} of width 6d, per-loop scalings η(t) ∈ R^{4d}
     (t = 1..K−1) and L1: R → R^{4d}, L2: R^{4d} → R^d with
 
         L2 ∘ (id + η ⊙ FF)^{K−1} ∘ L1(k) = y_k   exactly, k = 0..K−1                                   (App. B)
 
-    Labels are shifted by ε so none of y_0..y_{K−2} is zero (Eq. 377); the state is ξ_l = (k, k−l−1, y_l, s(l))
-    (Eq. 383); loop l turns y_{l−1} into y_l by η_3(l) = y_l/y_{l−1} − 1 and adds
+    Labels are shifted by ε (Eq. 377; `shift`, see `_shift_for`) so none of y_0..y_{K−2} is zero; the state is
+    ξ_l = (k, k−l−1, y_l, s(l)) (Eq. 383); loop l turns y_{l−1} into y_l by η_3(l) = y_l/y_{l−1} − 1 and adds
     η_4(l)·impulse_0(y_{l−1}, k−l) (Prop. A.4), so only loop l = k contributes.
 
-    Repairs (App. B):
-      * hidden bias of unit 2 (printed −1): σ(y) − σ(−y−1) ≠ y for y < 0, so labels below zero are not carried
-        from loop to loop.  Bias 0 gives σ(y) − σ(−y) = y.
-      * impulse bound (printed M > max_k y_k): Prop. A.4 needs |x| ≤ M, so M > max_k |y_k|.
-      * Eq. 421 / Eq. 378: L1(k) = (k, k, y_0, 0) does not equal ξ_0 = (k, k−1, y_0, impulse_0(y_0, k)) — the
-        counter is one loop late (as printed the net returns y_{k+1}) and [k = 0]·y_0 is not affine in k.
-        Start at (k, k−1, y_0, y_0) and add (y_l − y_0)·[k = l] instead (η_4(l) = (y_l − y_0)/y_{l−1}): the
-        sum telescopes to y_k for every k with the stated K − 1 loops.
+    Three changes to the printed proof, each selectable through `repairs` (default: all three; `printed=True`
+    means none):
+      * "bias" — hidden bias of unit 2 (printed −1): σ(y) − σ(−y−1) ≠ y for every y < 0, so labels below zero are not carried from loop to loop.  Bias 0 gives σ(y) − σ(−y) = y.
+      * "M" — impulse bound (printed M > max_k y_k): Prop. A.4 needs |x| ≤ M, so M > max_k |y_k|.
+      * "start" — Eq. 421 / Eq. 378: L1(k) = (k, k, y_0, 0) does not equal ξ_0 = (k, k−1, y_0, impulse_0(y_0, k))
+        — the counter is one loop late (as printed the net returns y_{k+1}) and [k = 0]·y_0 is not affine in k.
+        Start at (k, k−1, y_0, y_0) and add (y_l − y_0)·[k = l] instead: η_4(l) of Eq. 378 changes from
+        y_l/y_{l−1} to (y_l − y_0)/y_{l−1}, and the sum telescopes to y_k for every k with the stated K − 1 loops.
+    Only "start" is necessary.  Eq. 377 leaves ε free; with `shift="positive"` every shifted label is > 0, and
+    then the printed bias (σ(−y−1) = 0) and the printed M (max y = max |y|) are correct: the "bias" and "M"
+    changes only widen the allowed ε to any shift that keeps y_0..y_{K−2} non-zero.
     """
+    if repairs is None:
+        repairs = () if printed else THEOREM_42_REPAIRS
+    repairs = tuple(repairs)
+    unknown = set(repairs) - set(THEOREM_42_REPAIRS)
+    if unknown:
+        raise ValueError(f"unknown Theorem 4.2 repairs {sorted(unknown)} (choose from {THEOREM_42_REPAIRS})")
+    fix_bias, fix_M, fix_start = ("bias" in repairs), ("M" in repairs), ("start" in repairs)
     rows = _labels(y)
     K, d = len(rows), len(rows[0])
     ffs, l1s, etas, l2rows, l2bias, shifts = [], [], [[] for _ in range(K - 1)], [], [], []
     for i in range(d):
         ys = [rows[k][i] for k in range(K)]
-        sh = _shift_for(ys)
+        sh = _shift_for(ys, shift)
         ys = [v + sh for v in ys]
+        if any(v == 0 for v in ys[:-1]):
+            raise ValueError(f"Theorem 4.2 needs shifted labels y_0..y_(K-2) != 0 (shift {sh} leaves a zero)")
         shifts.append(sh)
-        M = (max(ys) if printed else max(abs(v) for v in ys)) + 1
+        M = (max(abs(v) for v in ys) if fix_M else max(ys)) + 1
         M = max(M, F(1))
         w1 = mat([[0, 0, 1, 0], [0, 0, -1, 0], [0, 2 * M, 1, 0], [0, 2 * M, 1, 0], [0, 1, 0, 0], [0, 1, 0, 0]])
-        b1 = vec([0, -1 if printed else 0, M, -M, F(1, 2), -F(1, 2)])
+        b1 = vec([0, 0 if fix_bias else -1, M, -M, F(1, 2), -F(1, 2)])
         w2 = mat([[0] * 6, [0] * 6, [1, -1, 0, 0, 0, 0], [0, 0, 1, -1, -2 * M, 2 * M]])
         ffs.append(FeedForward(w1, b1, w2, vec([0, -1, 0, 0])))
-        if printed:
-            l1s.append(Affine(mat([[1], [1], [0], [0]]), vec([0, 0, ys[0], 0])))
-        else:
+        if fix_start:
             l1s.append(Affine(mat([[1], [1], [0], [0]]), vec([0, -1, ys[0], ys[0]])))
+        else:
+            l1s.append(Affine(mat([[1], [1], [0], [0]]), vec([0, 0, ys[0], 0])))
         for l in range(1, K):
             ratio = ys[l] / ys[l - 1]
-            e4 = ratio if printed else (ys[l] - ys[0]) / ys[l - 1]
+            e4 = (ys[l] - ys[0]) / ys[l - 1] if fix_start else ratio
             etas[l - 1] += [F(0), F(1), ratio - 1, e4]
         row = [F(0)] * (4 * d)
         row[4 * i + 3] = F(1)
@@ -437,4 +464,4 @@ def exact_memorization(y, printed: bool = False) -> LoopedNet:
     l1 = block_diag_affine(l1s, shared_input=True)
     l2 = Affine(mat(l2rows), vec(l2bias))
     return LoopedNet(l1, Block(ff), l2, loops=K - 1, eta=tuple(tuple(e) for e in etas), name="Theorem 4.2",
-                     meta=dict(K=K, d=d, shifts=tuple(shifts), printed=printed))
+                     meta=dict(K=K, d=d, shifts=tuple(shifts), printed=not repairs, repairs=repairs))
