@@ -43,7 +43,7 @@ def test_loopwise_equals_separate_runs_beyond_trained_loops():
             pred = model(x, loops=t).logits.argmax(-1).numpy()
         ref = data.task.metrics(pred, data.test)
         accs.append(ref["accuracy"])
-        assert res["loopwise"][t - 1] == pytest.approx({"loop": t, **ref})
+        assert res["loopwise"][t - 1] == pytest.approx({"loop": t, **ref}, nan_ok=True)
     assert res["metrics"] == pytest.approx(data.task.metrics(
         model(x, loops=2).logits.argmax(-1).detach().numpy(), data.test))
     # exact match by hand for one loop: every supervised position right
@@ -107,6 +107,15 @@ def test_text_eval_matches_cross_entropy(tmp_path):
         assert res["loopwise"][t - 1]["loss"] == pytest.approx(ce, rel=1e-5)
         assert res["loopwise"][t - 1]["ppl"] == pytest.approx(math.exp(ce), rel=1e-5)
     assert res["metric"] == "ppl" and not res["higher_is_better"]
+    # the perplexity says what it covers: the first 5 windows of the split, not all of it
+    total = (len(toks) - 1) // 16
+    m = res["metrics"]
+    assert (m["windows"], m["windows_in_split"], m["tokens"], m["tokens_in_split"]) == (5, total, 80, len(toks) - 1)
+    assert m["eval_split"] == "val" and m["whole_split"] is False
+    assert m["ppl_over"] == f"val: first 5 of {total:,} non-overlapping 16-token windows (80 of {len(toks) - 1:,} " \
+                            f"next-token targets)"
+    whole = evaluate(model, data, loops=2, loopwise=False, limit=10 ** 6)["metrics"]
+    assert whole["whole_split"] is True and whole["windows"] == total and whole["tokens"] == total * 16
 
 
 def test_vector_eval_matches_squared_error():

@@ -4,7 +4,9 @@ One forward pass with `return_all=True` and R_max loops gives the read-out after
 metric at the trained loop count r and at every other t — also beyond r (extrapolation) — comes from one run:
 
     token tasks   argmax predictions [R,N,T] → the task's metrics per loop (headline: exact-match 'accuracy')
-    text          summed next-token cross-entropy per loop → loss (nats/token), ppl = exp(loss), next-token accuracy
+    text          summed next-token cross-entropy per loop → loss (nats/token), ppl = exp(loss), next-token accuracy,
+                  over the first `task.eval_windows` windows of the split: `windows` / `windows_in_split`, `tokens` /
+                  `tokens_in_split`, `whole_split` and `ppl_over` (a sentence) say which
     vector (ICL)  squared error of the read-out at the supervised positions per loop → 'mse'
 
 Shapes: R loops, B batch, N test rows, T length, C classes.
@@ -122,11 +124,13 @@ def _eval_text(model, data, R, all_loops, batch_size, limit, device, autocast, p
                 nll[t] += F.cross_entropy(logits[t].reshape(-1, C), y.reshape(-1), reduction="sum").item()
                 correct[t] += (logits[t].argmax(-1) == y).sum().item()
             count += y.numel()
+    # the windows evaluated (a prefix of the split unless whole_split): named next to the perplexity
+    scope = data.eval_scope(limit) if hasattr(data, "eval_scope") else {}
     out = []
     for t in range(n_loops):
         loss = nll[t] / count
         out.append({"loss": loss, "ppl": math.exp(min(loss, 700.0)), "accuracy": correct[t] / count,
-                    "tokens": count})
+                    "tokens": count, **scope})
     return out
 
 

@@ -255,6 +255,20 @@ class TextData(DataSource):
             win = win.astype(np.int64)
             yield {"inputs": win[:, :-1], "targets": win[:, 1:]}
 
+    def eval_scope(self, limit: int = 0) -> dict[str, Any]:
+        """What `test_batches(…, limit)` covers: the first n non-overlapping windows of the evaluation split, so
+        the perplexity computed from them is over those windows only unless `whole_split`."""
+        toks = self.corpus.tokens(self.eval_split)
+        T = self.block
+        total = max(0, (len(toks) - 1) // T)
+        n = min(limit or self.cfg.eval_windows, total)
+        whole = n == total
+        over = (f"{self.eval_split}: all {total:,} non-overlapping {T}-token windows" if whole else
+                f"{self.eval_split}: first {n:,} of {total:,} non-overlapping {T}-token windows")
+        over += f" ({n * T:,} of {max(0, len(toks) - 1):,} next-token targets)"
+        return {"eval_split": self.eval_split, "windows": n, "windows_in_split": total,
+                "tokens_in_split": max(0, len(toks) - 1), "whole_split": whole, "ppl_over": over}
+
     def metrics(self, pred: Any, batch: dict[str, np.ndarray]) -> dict[str, float]:
         raise NotImplementedError  # text metrics come from the summed log-likelihood (see eval.evaluate)
 
