@@ -109,7 +109,7 @@ def test_identity_initialised_tmlt_has_known_constant(loops, injection):
     adds X before each of the R-1 later loops): every ratio is 1 or R, context never matters."""
     torch.manual_seed(0)
     m = LoopedTransformer(ModelConfig(vocab_size=25, max_len=16, d_model=16, n_heads=2, loops=loops,
-                                      timestep=True, input_injection=injection))
+                                      timestep=True, timestep_gate_init=0.0, input_injection=injection))
     c = loops if injection else 1
     idx = torch.as_tensor(np.random.default_rng(0).integers(0, 25, size=(3, 10)))
     rep = measure_continuity(LoopedEmbeddingMap(m), idx, 25,
@@ -163,7 +163,8 @@ def _tiny_corpus_and_checkpoints(tmp_path):
     for name, ts in (("looped", False), ("tmlt", True)):
         torch.manual_seed(0)
         save_checkpoint(tmp_path / name, LoopedTransformer(ModelConfig(vocab_size=vocab, max_len=16, d_model=16,
-                                                                         n_heads=2, loops=2, timestep=ts)))
+                                                                         n_heads=2, loops=2, timestep=ts,
+                                                                         timestep_gate_init=0.0)))
 
 
 def _run_cli(tmp_path, out):

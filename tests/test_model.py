@@ -42,8 +42,8 @@ def test_looped_block_equals_weight_tied_stack(bias, causal):
     torch.testing.assert_close(looped(x).logits, stack(x).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_untrained_tmlt_block_is_identity():
-    model = LoopedTransformer(tiny(timestep=True, loops=5)).eval()
+def test_untrained_tmlt_block_is_identity_with_adaln_zero():
+    model = LoopedTransformer(tiny(timestep=True, timestep_gate_init=0.0, loops=5)).eval()
     x = ids()
     out = model(x, return_all=True)
     e = model.embed(x)
@@ -126,7 +126,7 @@ def test_loop_override_and_every_loop_outputs():
 
 
 def test_halting_stops_early_and_reports_loops():
-    model = LoopedTransformer(tiny(timestep=True, loops=10)).eval()   # identity at init: converged immediately
+    model = LoopedTransformer(tiny(timestep=True, timestep_gate_init=0.0, loops=10)).eval()   # identity at init
     out = model(ids(), halt_tol=1e-6)
     assert out.loops == 2
     model2 = perturb(LoopedTransformer(tiny(loops=10))).eval()
@@ -189,7 +189,7 @@ def test_cached_generation_equals_full_recompute(kw):
     steps = [model(x[:, :5], cache=cache).logits]          # prompt
     for i in range(5, 12):                                  # then one token at a time
         steps.append(model(x[:, i:i + 1], cache=cache).logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
     assert cache.length == 12 and cache.slots == model.config.loops * model.config.n_layers
 
 

@@ -70,3 +70,27 @@ def test_same_seed_tmlt_shares_the_looped_models_weights():
     x = torch.randint(0, 9, (3, 6))
     with torch.no_grad():
         assert torch.allclose(looped(x).logits, tmlt(x).logits, atol=1e-6)
+
+
+def test_looped_initialisation_is_unchanged():
+    """The looped model's initial weights are the plain sequence: modules built, then every parameter drawn in
+    order from the global RNG (GPT-2 init) — pinned by redrawing them by hand."""
+    cfg = ModelConfig(vocab_size=9, max_len=8, d_model=16, n_heads=2, loops=4, init_std=0.1)
+    torch.manual_seed(5)
+    model = LoopedTransformer(cfg)
+    torch.manual_seed(5)
+    ref = LoopedTransformer.__new__(LoopedTransformer)
+    torch.nn.Module.__init__(ref)
+    from loopformer.model.heads import Embed, Head
+    from loopformer.model.layers import Layer, RMSNorm
+
+    Embed(cfg), Layer(cfg), RMSNorm(16), Head(cfg)          # what building the modules draws
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            expect = torch.zeros_like(p)
+        elif p.dim() >= 2:
+            s = 0.1 / 2 ** 0.5 if name.endswith("proj.weight") and "blocks" in name else 0.1
+            expect = torch.empty_like(p).normal_(0.0, s)
+        else:
+            expect = torch.ones_like(p)
+        assert torch.equal(p.detach(), expect), name

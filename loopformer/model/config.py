@@ -40,15 +40,15 @@ class ModelConfig:
     dropout: float = 0.0
     causal: bool = True
     attn_scale: Optional[float] = None  # softmax scale; None = 1/sqrt(head_dim); large values approach hardmax
-    timestep: bool = False            # TMLT: α(t), γ(t) from the loop index (adaLN-Zero initialisation)
+    timestep: bool = False            # TMLT: α(t), γ(t) from the loop index (Eq. 12-15)
     timestep_freq_dim: int = 256      # width of the sinusoidal loop-index features PE(t)
     timestep_max_period: float = 10000.0
     timestep_embed: str = "sinusoid"  # PE(t) of Eq. 12: "sinusoid" (the paper's) | "learned" (a trained vector per
                                       # loop t < loops; later loops reuse the last one)
     timestep_scale: float = 1.0       # the sinusoid reads PE(scale · t) (>1 spreads few loops over more phase)
-    timestep_gate_init: float = 0.0   # initial residual gates γ1, γ2 (b5's gate half): 0 is adaLN-Zero (the
-                                      # authors'; the untrained block is the identity), 1 makes the untrained TMLT
-                                      # block the untrained looped block
+    timestep_gate_init: float = 1.0   # initial residual gates γ1, γ2 (b5's gate half). 1 (default): the untrained TMLT
+                                      # block is the untrained looped block; 0: adaLN-Zero, the paper's and the
+                                      # authors' choice (the untrained block is the identity). See docs/tmlt-study.md
     input_injection: bool = False     # add the read-in embedding before every loop after the first
     # L2: read-out
     head: str = "lm"                  # "lm" (per-token logits) | "sequence" (pooled classes) | "regression"

@@ -42,6 +42,7 @@ def config_from_args(model_args: dict, model_type: str) -> ModelConfig:
         loops=int(model_args["n_loop"]), bias=bool(model_args.get("bias", False)),
         dropout=float(model_args.get("dropout", 0.0)), causal=True, tie_embeddings=True, norm_gain=False,
         norm_eps=None, activation="gelu", timestep=model_type == "tmlt", compat="authors",
+        timestep_gate_init=0.0,   # their parametrisation (adaLN-Zero); initialisation only, the weights are loaded
     )
 
 

@@ -6,8 +6,8 @@ Shapes: B batch, T query length, S key length (cache + new), D model width, H he
 TMLT (Eq. 12-15):  PE(t) sinusoidal -> TE(t) = W3·SiLU(W4·PE(t) + b4) + b3
                    [γ1, γ2, s1, s2] = W5·SiLU(TE(t)) + b5,  α_i = 1 + s_i
                    X' = X + γ1 ⊙ Attn(α1 ⊙ RMSN(X)),  TF(X, t) = X' + γ2 ⊙ FF(α2 ⊙ RMSN(X'))
-W5, b5 start at zero (adaLN-Zero), so an untrained TMLT block is the identity map; with `timestep_gate_init=1` the
-gate half of b5 starts at one and the untrained TMLT block is the untrained looped block.
+W5 starts at zero and b5 at [γ0, γ0, 0, 0] with γ0 = `timestep_gate_init`: with the default γ0 = 1 the untrained
+TMLT block is the untrained looped block; γ0 = 0 is the paper's adaLN-Zero (the untrained block is the identity).
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ class Layer(nn.Module):
         self.norm2 = make_norm(cfg) if not self.authors_lt else nn.Identity()
         self.mlp = MLP(cfg)
         # TMLT: SiLU(TE(t)) -> [γ1, γ2, s1, s2] (the authors' chunk order: gate_attn, gate_mlp, scale_attn, scale_mlp)
-        self.modulation = nn.Linear(cfg.d_model, 4 * cfg.d_model) if cfg.timestep else None
+        with torch.random.fork_rng(devices=[]):   # draws nothing (see LoopedTransformer.reset_parameters)
+            self.modulation = nn.Linear(cfg.d_model, 4 * cfg.d_model) if cfg.timestep else None
 
     def forward(self, x: torch.Tensor, mod: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:

@@ -51,12 +51,10 @@ class LoopedTransformer(nn.Module, _HubMixin):
 
             config = from_dict(ModelConfig, {k: v for k, v in config.items() if k not in RESERVED_KEYS})
         self.config = cfg = config
-        # one draw from the global RNG seeds the initialisation, so it does not depend on what building the modules
-        # drew (a TMLT and a looped model of the same seed then share their common weights; see reset_parameters)
-        self._init_seed = int(torch.randint(0, 2 ** 62, (1,)).item())
         self.embed = Embed(cfg)                                                     # L1
         self.blocks = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))        # TF (shared across loops)
-        self.timestep = TimestepEmbedder(cfg) if cfg.timestep else None
+        with torch.random.fork_rng(devices=[]):   # drawing nothing here keeps the RNG stream of the common weights
+            self.timestep = TimestepEmbedder(cfg) if cfg.timestep else None
         self.norm_f = RMSNorm(cfg.d_model, True, cfg.norm_eps) if cfg.final_norm else nn.Identity()
         self.head = Head(cfg)                                                       # L2
         self.reset_parameters()
@@ -69,18 +67,14 @@ class LoopedTransformer(nn.Module, _HubMixin):
         """GPT-2 initialisation; residual projections scaled by 1/sqrt(2k); adaLN-Zero for the modulations (gates at
         `timestep_gate_init`).
 
-        The timestep parameters (embedder, modulations) are drawn after all others, so a TMLT and a looped model
-        made with the same seed share the same read-in, block and read-out weights: with the gates at 1 the
-        untrained TMLT is exactly the untrained looped model of that seed (paired comparisons).
+        The timestep parameters (embedder, modulations) are built without drawing random numbers and drawn here
+        after all others, so a TMLT and a looped model made with the same seed share the same read-in, block and
+        read-out weights (the looped model's are those of earlier versions): with the gates at 1 the untrained TMLT
+        is exactly the untrained looped model of that seed (paired comparisons).
         """
         from loopformer.model.diagnostics import is_timestep_param
 
         std = self.config.init_std
-        gen = torch.Generator(device="cpu").manual_seed(self._init_seed)
-
-        def normal_(p: torch.Tensor, s: float) -> None:
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(s).to(p.dtype))
-
         named = list(self.named_parameters())
         for name, p in [*((n, p) for n, p in named if not is_timestep_param(n)),
                         *((n, p) for n, p in named if is_timestep_param(n))]:
@@ -89,11 +83,11 @@ class LoopedTransformer(nn.Module, _HubMixin):
             elif p.dim() >= 2:
                 s = std / (2 * self.config.n_layers) ** 0.5 if name.endswith("proj.weight") and "blocks" in name \
                     else std
-                normal_(p, s)
+                nn.init.normal_(p, 0.0, s)
             else:
                 p.fill_(1.0)  # norm gains
         if self.timestep is not None and self.timestep.table is not None:
-            normal_(self.timestep.table.weight, 1.0)   # the sinusoid's scale: entries of size ~1
+            nn.init.normal_(self.timestep.table.weight, 0.0, 1.0)   # the sinusoid's scale: entries of size ~1
         for blk in self.blocks:
             if blk.modulation is not None:
                 blk.modulation.weight.zero_()
