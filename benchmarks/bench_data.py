@@ -10,6 +10,14 @@ with --workers processes, including de-duplication, train/test disjointness and 
 the rate that makes a paper-size set a matter of minutes (1M ED/LCS, 3M Sudoku, 5M Countdown samples);
 `one free core meets target` compares the CPU-time rate (what one unshared core does) with the target;
 `paper set` — the estimated time for the paper-size training set at the measured end-to-end rate.
+
+    python benchmarks/bench_data.py --verify-only                  # only the checksum table (1M rows)
+    python benchmarks/bench_data.py --verify-rows 200000 --only ED # both, smaller
+
+Checksum verification (what `train` / `eval` do when they open a dataset folder): a dataset of --verify-rows
+LCS (L=60) rows (random ids, written by `write_splits`) opened without verification, verified for the first
+time (SHA-256 of every array plus the token-id range check), verified again in a new process (the record cached by
+size and modification time), and one full read of the training inputs for scale.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from loopformer.data import write_dataset  # noqa: E402
+from loopformer import checksums  # noqa: E402
+from loopformer.data import open_dataset, write_dataset  # noqa: E402
+from loopformer.data.dataset import write_splits  # noqa: E402
 from loopformer.tasks import get_task  # noqa: E402
 
 CASES = [
@@ -48,16 +58,74 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def bench_verify(rows: int, tmp: str) -> None:
+    """Time opening a `rows`-row dataset with and without checksum verification; print a table."""
+    import numpy as np
+
+    os.environ["LOOPFORMER_CACHE_DIR"] = os.path.join(tmp, "cache")
+    task = get_task("lcs", length=60)
+    rng = np.random.default_rng(0)
+    T = task.seq_len
+
+    def split(n):
+        return {"inputs": rng.integers(0, task.vocab_size, (n, T), dtype=np.int16),
+                "targets": np.where(rng.random((n, T)) < 0.9, -100,
+                                    rng.integers(0, task.vocab_size, (n, T))).astype(np.int16),
+                "answer": rng.integers(0, 60, n).astype(np.int64)}
+
+    out = os.path.join(tmp, "verify")
+    write_splits(out, task, {"train": split(rows), "test": split(max(1, rows // 100))}, seed=0)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs if f.endswith(".npy")]
+    mb = sum(os.path.getsize(f) for f in files) / 1e6
+    past = time.time_ns() - 60 * 10**9                 # as if written a minute ago (the record is then trusted)
+    for f in files:
+        os.utime(f, ns=(past, past))
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    t_plain = min(timed(lambda: open_dataset(out, verify=False)) for _ in range(3))
+    checksums.forget()
+    t_first = timed(lambda: open_dataset(out, verify=True))
+    t_again = []
+    for _ in range(3):
+        checksums.forget()                            # a new process: the record on disk is read
+        t_again.append(timed(lambda: open_dataset(out, verify=True)))
+    t_memo = min(timed(lambda: open_dataset(out, verify=True)) for _ in range(3))
+    t_sha = timed(lambda: [checksums.sha256_file(f) for f in files])
+    _, splits = open_dataset(out, verify=False)
+    t_read = timed(lambda: np.asarray(splits["train"]["inputs"]).sum())
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"\nChecksum verification: LCS (L=60), {rows:,} train + {max(1, rows // 100):,} test rows, "
+          f"{len(files)} arrays, {mb:,.0f} MB\n")
+    print("| open | seconds | vs. no verification |")
+    print("|---|---:|---:|")
+    print(f"| without verification | {t_plain:.3f} | 1.0× |")
+    print(f"| verified, first time (SHA-256 + id range) | {t_first:.2f} | {t_first / t_plain:,.0f}× |")
+    print(f"| verified again, new process (cached record) | {min(t_again):.3f} | {min(t_again) / t_plain:.1f}× |")
+    print(f"| verified again, same process | {t_memo:.3f} | {t_memo / t_plain:.1f}× |")
+    print(f"| (SHA-256 alone: {mb / t_sha:,.0f} MB/s) | {t_sha:.2f} | |")
+    print(f"| (one read of the train inputs, for scale) | {t_read:.2f} | |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every sample count")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", default=None, help="run only cases whose label contains this text")
+    ap.add_argument("--verify-rows", type=int, default=1_000_000, help="rows of the checksum benchmark (0: skip)")
+    ap.add_argument("--verify-only", action="store_true", help="only the checksum benchmark")
     args = ap.parse_args()
 
     rows = []
     tmp = tempfile.mkdtemp(prefix="bench_data_")
     try:
+        if args.verify_rows > 0:
+            bench_verify(args.verify_rows, tmp)
+        if args.verify_only:
+            return 0
         for label, name, opts, n, target, paper_n in CASES:
             if args.only and args.only.lower() not in label.lower():
                 continue

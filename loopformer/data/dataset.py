@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from loopformer.checksums import verify_file
 from loopformer.errors import UserError
 
 FORMAT_VERSION = 1
@@ -297,10 +298,38 @@ def _check_manifest_fields(m: dict, mpath: str) -> None:
                 bad(f"{field}.dtype", "a numpy dtype")
 
 
+IGNORE_ID = -100
+
+
+def _id_range(fpath: str, targets: bool) -> dict:
+    """The smallest and largest token id of an id array (for targets IGNORE excluded), read in blocks of rows."""
+    arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
+    lo, hi, ignored = None, None, False
+    step = max(1, (1 << 24) // max(1, arr.itemsize * int(np.prod(arr.shape[1:]) or 1)))
+    for i in range(0, len(arr), step):
+        block = np.asarray(arr[i:i + step])
+        keep = block != IGNORE_ID if targets else np.ones(block.shape, bool)
+        ignored = ignored or not bool(keep.all())
+        vals = block[keep]
+        if vals.size:
+            lo = int(vals.min()) if lo is None else min(lo, int(vals.min()))
+            hi = int(vals.max()) if hi is None else max(hi, int(vals.max()))
+    return {"min": lo, "max": hi, "ignore": ignored}
+
+
+def _ids_fit(rng: Any, vocab_size: int) -> bool:
+    if not isinstance(rng, dict):
+        return False
+    lo, hi = rng.get("min"), rng.get("max")
+    return lo is None or (0 <= lo and hi < vocab_size)
+
+
 def open_dataset(path: str | os.PathLike, verify: bool = False, mmap: bool = True):
     """(task, {'train': {name: array}, 'test': {...}}) from a dataset folder; arrays are memory-mapped read-only.
 
-    The task is rebuilt from the manifest's name and options. `verify=True` also checks every SHA-256.
+    The task is rebuilt from the manifest's name and options. `verify=True` also checks every SHA-256 (once per
+    file, remembered by size and modification time: `loopformer.checksums`) and that the token ids of `inputs`
+    and `targets` lie in the task's vocabulary; training and evaluation open datasets with it.
     Raises UserError with one clear line when the folder, manifest or an array is missing or inconsistent.
     """
     from loopformer.tasks import get_task
@@ -323,14 +352,20 @@ def open_dataset(path: str | os.PathLike, verify: bool = False, mmap: bool = Tru
             fpath = os.path.join(path, rel)
             if not os.path.isfile(fpath):
                 raise UserError(f"dataset {path}: missing array file {rel}")
+            ids = key in ("inputs", "targets")
             if verify:
-                want = manifest["checksums"].get(rel)
-                if want is None or _sha256(fpath) != want:
-                    raise UserError(f"dataset {path}: checksum mismatch for {rel}")
+                rec = verify_file(fpath, manifest["checksums"].get(rel), f"dataset {path}", shown=rel,
+                                  extra=(lambda f=fpath, k=key: _id_range(f, k == "targets")) if ids else None)
             try:
                 arr = np.load(fpath, mmap_mode="r" if mmap else None, allow_pickle=False)
-            except (ValueError, OSError) as exc:
-                raise UserError(f"dataset {path}: cannot read {rel}: {exc}") from None
+            except (ValueError, OSError, EOFError) as exc:
+                raise UserError(f"dataset {path}: cannot read {rel}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+                                ) from None
+            if verify and ids and not _ids_fit(rec["extra"], task.vocab_size):
+                lo, hi = rec["extra"]["min"], rec["extra"]["max"]
+                raise UserError(f"dataset {path}: {rel} holds token ids in [{lo}, {hi}], outside the task's "
+                                f"vocabulary 0..{task.vocab_size - 1}"
+                                + (f" (and {IGNORE_ID} for targets without loss)" if key == "targets" else ""))
             if list(arr.shape) != list(meta.get("shape", [])) or arr.dtype.str != meta.get("dtype"):
                 raise UserError(f"dataset {path}: {rel} has shape {list(arr.shape)} / dtype {arr.dtype.str}, "
                                 f"manifest says {meta.get('shape')} / {meta.get('dtype')}")

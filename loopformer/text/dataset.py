@@ -1,6 +1,8 @@
 """Memory-mapped token corpora for training and evaluation (the nanoGPT-style `.bin` files of `corpus.py`).
 
-    TokenCorpus(DIR)       the manifest, the tokeniser and each split as a read-only `np.memmap` (no copy)
+    TokenCorpus(DIR)       the manifest, the tokeniser and each split as a read-only `np.memmap` (no copy); each
+                           file is checked against the manifest's SHA-256 and the vocabulary when first opened
+                           (once per file and modification: `loopformer.checksums`)
     RandomWindows          training batches: B random windows of T+1 tokens -> (x [B,T], y [B,T]) int64, the offsets
                            drawn from `default_rng([seed, step, rank])`, so batch `step` on rank `rank` is the same
                            whatever happened before (resume is exact, no sampler state to save)
@@ -19,6 +21,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from loopformer.checksums import verify_file
 from loopformer.errors import UserError
 from loopformer.text.corpus import corpus_tokenizer, read_manifest
 
@@ -26,8 +29,9 @@ from loopformer.text.corpus import corpus_tokenizer, read_manifest
 class TokenCorpus:
     """A prepared corpus folder: `manifest.json`, `{train,val,test}.bin`, maybe `tokenizer.json`."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, verify: bool = True):
         self.folder = os.fspath(folder)
+        self.verify = verify
         self.manifest = read_manifest(self.folder)
         self.dtype = np.dtype(self.manifest["dtype"])
         self.vocab_size = int(self.manifest["vocab_size"])
@@ -50,11 +54,32 @@ class TokenCorpus:
             size = os.path.getsize(path)
             if size != info["tokens"] * self.dtype.itemsize:
                 raise UserError(f"{path} has {size} bytes, the manifest says {info['tokens']} {self.dtype.name} tokens")
-            self._maps[split] = np.memmap(path, dtype=self.dtype, mode="r")
+            if self.verify:
+                rec = verify_file(path, info.get("sha256"), f"corpus {self.folder}", shown=info["file"],
+                                  extra=lambda: {"max": _max_id(path, self.dtype)})
+                top = rec["extra"].get("max") if isinstance(rec.get("extra"), dict) else None
+                if top is not None and top >= self.vocab_size:
+                    raise UserError(f"corpus {self.folder}: {info['file']} holds token id {top}, outside the "
+                                    f"vocabulary 0..{self.vocab_size - 1}")
+            self._maps[split] = np.memmap(path, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
         return self._maps[split]
 
     def tokenizer(self):
+        tok = self.manifest["tokenizer"]
+        if self.verify and tok.get("kind") == "bpe":
+            name = tok.get("file", "tokenizer.json")
+            verify_file(os.path.join(self.folder, name), tok.get("sha256"), f"corpus {self.folder}", shown=name)
         return corpus_tokenizer(self.folder, self.manifest)
+
+
+def _max_id(path: str, dtype: np.dtype) -> Optional[int]:
+    """The largest token id of a flat token file, read in blocks."""
+    size = os.path.getsize(path) // dtype.itemsize
+    if size == 0:
+        return None
+    arr = np.memmap(path, dtype=dtype, mode="r")
+    step = 1 << 24
+    return int(max(int(arr[i:i + step].max()) for i in range(0, size, step)))
 
 
 def _as_long(a: np.ndarray) -> torch.Tensor:

@@ -154,7 +154,7 @@ class TokenData(DataSource):
             _check_dir(cfg.data_dir)
             from loopformer.data import open_dataset  # type: ignore[attr-defined]
 
-            self.task, splits = open_dataset(cfg.data_dir)
+            self.task, splits = open_dataset(cfg.data_dir, verify=True)   # checksums and token ids
             self.train, self.test = dict(splits["train"]), dict(splits["test"])
         else:
             self.task = build_task(cfg.name, cfg.options)
