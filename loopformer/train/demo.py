@@ -25,8 +25,7 @@ from omegaconf import OmegaConf
 DEMO_CONFIG: dict = {
     "name": "demo",
     "seed": 0,
-    "model": {"d_model": 64, "n_heads": 4, "n_layers": 1, "loops": 1, "input_injection": True, "init_std": 0.1,
-              "timestep_gate_init": 1.0},
+    "model": {"d_model": 64, "n_heads": 4, "n_layers": 1, "loops": 1, "input_injection": True, "init_std": 0.1},
     "task": {"name": "lcs", "options": {"length": 6, "alphabet_min": 2, "alphabet_max": 4, "alphabet_pool": 4},
              "n_train": 200000, "n_test": 2000, "seed": 0, "answer_only": True},
     "train": {"steps": 3000, "batch_size": 64, "lr": 2.0e-3, "min_lr": 0.0, "schedule": "onecycle",
