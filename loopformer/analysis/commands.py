@@ -6,10 +6,13 @@ prints the per-loop dynamics table (`loopformer.analysis.dynamics`) and writes d
 
     loopformer analyze continuity CKPT [CKPT ...] --data DIR [--out DIR] [--split val] [--samples 16]
                                   [--length 128] [--scales 1e-3,1e-2,1e-1,1] [--power-iters 20]
+                                  [--loopwise-scale 1e-2]
 
 prints the continuity table (paper Sec. 3.2 moduli, App. D continuity coefficients; `loopformer.analysis.continuity`)
-and writes DIR/continuity.md, continuity.json and continuity.png. Several checkpoints (e.g. looped vs TMLT trained on
-the perturbed corpus) are measured on the same windows and shown side by side.
+and writes DIR/continuity.md, continuity.json and continuity.png: raw ratios ‖Δf‖/‖ΔX‖, scale-invariant ones
+(relative to ‖f(X)‖ and ‖X‖, and after the final norm), per loop, with a TMLT model's gate magnitudes. Several
+checkpoints (e.g. looped vs TMLT trained on the perturbed corpus) are measured on the same windows and shown side
+by side.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--length", type=int, default=128, help="tokens per window (capped at the model's max_len)")
     p.add_argument("--scales", default="1e-3,1e-2,1e-1,1", help="relative noise scales, comma-separated")
     p.add_argument("--power-iters", type=int, default=20, help="power-iteration steps for ||J||_2 (0: skip)")
+    p.add_argument("--loopwise-scale", type=float, default=1e-2,
+                   help="relative noise scale of the scale-invariant and per-loop measures (default 1e-2)")
     p.add_argument("--moduli-samples", type=int, default=0,
                    help="also estimate the worst-case moduli (loopformer.theory.moduli) from this many random "
                         "pairs plus gradient ascent (0: skip)")
@@ -98,7 +103,7 @@ def _continuity(args) -> int:
     tokens = corpus.tokens(args.split)
     cfg = ContinuityConfig(samples=args.samples, length=args.length, scales=_parse_scales(args.scales),
                            power_iters=args.power_iters, moduli_samples=args.moduli_samples, seed=args.seed,
-                           protect=corpus.eot_id)
+                           protect=corpus.eot_id, loopwise_scale=args.loopwise_scale)
     device = default_device(args.device)
     reports = {}
     for name, path in zip(_names(args.checkpoints), args.checkpoints):

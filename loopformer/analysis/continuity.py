@@ -26,8 +26,18 @@ estimates the ratios ||Δf|| / ||ΔX|| — lower bounds of ω(δ)/δ at δ = ||�
     worst case     optional: the three moduli themselves over the box spanned by the sample embeddings, by the
                    estimators of `loopformer.theory.moduli` (certified lower bounds of the suprema)
 
+The raw ratios depend on the scale of f: the pre-norm residual stream of a looped model grows with every loop,
+while a TMLT block whose gates γ(t) start at zero (adaLN-Zero) adds little to it, so a smaller raw ratio can be a
+smaller output rather than a smoother map.  Beside the raw ratios come scale-invariant ones:
+
+    relative       (‖Δf‖/‖f(X)‖) / (‖ΔX‖/‖X‖) per window (sequence noise at `loopwise_scale`), and the relative
+                   local Lipschitz constant ‖∂f/∂X‖₂·‖X‖/‖f(X)‖
+    normed         the same two measures for the output after the final norm (what the head reads)
+    per loop       raw and relative sequence ratios of the hidden state after every loop t = 1..R, its RMS, and
+                   for a TMLT model the mean gate magnitudes |γ1(t)|, |γ2(t)|
+
 Each is reported as mean / median / max over the samples, as a markdown table and a PNG plot.
-Shapes: B samples, T window length, D width, V vocabulary.
+Shapes: B samples, T window length, D width, V vocabulary, R loops.
 """
 
 from __future__ import annotations
@@ -58,6 +68,15 @@ class EmbeddingMap:
     def apply(self, X: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_all(self, X: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+        """{"loops": [R,B,T,D'] the output after every loop (R = 1 for a plain map), "normed": [B,T,D'] the output
+        after the final norm, or None where the map has none}."""
+        return {"loops": self.apply(X)[None], "normed": None}
+
+    def normed_map(self) -> Optional["EmbeddingMap"]:
+        """The same map read after the final norm (None where there is none)."""
+        return None
+
 
 class LoopedEmbeddingMap(EmbeddingMap):
     """A `LoopedTransformer` seen as X -> f(X): the read-in's output is replaced by X through a forward hook, so
@@ -83,6 +102,21 @@ class LoopedEmbeddingMap(EmbeddingMap):
             handle.remove()
         return self.model.norm_f(out.hidden) if self.output == "normed" else out.hidden
 
+    def apply_all(self, X: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+        handle = self.model.embed.register_forward_hook(lambda mod, inp, out: X)
+        try:
+            dummy = torch.zeros(X.shape[:2], dtype=torch.long, device=X.device)
+            kw = {} if self.loops is None else {"loops": self.loops}
+            out = self.model(dummy, return_all=True, **kw)
+        finally:
+            handle.remove()
+        if self.output == "normed":                      # f is read after the norm: so is every loop
+            return {"loops": self.model.norm_f(out.all_hidden), "normed": None}
+        return {"loops": out.all_hidden, "normed": self.model.norm_f(out.hidden)}
+
+    def normed_map(self) -> Optional["LoopedEmbeddingMap"]:
+        return None if self.output == "normed" else LoopedEmbeddingMap(self.model, self.loops, "normed")
+
 
 # ------------------------------------------------------------------------------------------------------ measurement
 @dataclass
@@ -95,11 +129,12 @@ class ContinuityConfig:
     moduli_steps: int = 50                 # ... then projected gradient ascent steps), at the smallest scale
     seed: int = 0
     protect: Optional[int] = None          # a token id never substituted in or out (EOT)
+    loopwise_scale: float = 1e-2           # relative noise scale ρ of the relative and per-loop measures
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.length < 2:
             raise UserError("continuity needs samples >= 1 and length >= 2")
-        if not self.scales or any(s <= 0 for s in self.scales):
+        if not self.scales or any(s <= 0 for s in self.scales) or not self.loopwise_scale > 0:
             raise UserError("noise scales must be positive")
         if self.power_iters < 0 or self.moduli_samples < 0 or self.moduli_steps < 0:
             raise UserError("power_iters, moduli_samples and moduli_steps must be >= 0")
@@ -128,7 +163,19 @@ class ContinuityReport:
     positions: list[int] = field(default_factory=list)                # the position n of each sample
     samples: int = 0
     length: int = 0
+    output_rms: float = 0.0                                           # RMS of f(X) (scale of the raw ratios)
+    relative: dict[str, Stat] = field(default_factory=dict)           # "sequence", "jacobian" (scale-invariant)
+    normed: dict[str, Stat] = field(default_factory=dict)             # after the final norm: raw/relative/jacobian...
+    loopwise: dict[str, list] = field(default_factory=dict)           # per loop t: raw, relative (Stat), rms
+    gates: dict[str, list[float]] = field(default_factory=dict)       # TMLT: mean |γ1|, |γ2|, |α1|, |α2| per loop
+    loopwise_scale: float = 0.0                                       # the ρ of `relative`, `normed`, `loopwise`
     raw: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+    @property
+    def relative_coefficient(self) -> Optional[float]:
+        """Scale-invariant headline: the mean relative local Lipschitz constant ‖∂f/∂X‖₂·‖X‖/‖f(X)‖."""
+        st = self.relative.get("jacobian")
+        return None if st is None else st.mean
 
     @property
     def coefficient(self) -> float:
@@ -143,6 +190,7 @@ class ContinuityReport:
         d = asdict(self)
         d["per_sample"] = d.pop("raw")
         d["coefficient"] = self.coefficient
+        d["relative_coefficient"] = self.relative_coefficient
         return d
 
 
@@ -210,6 +258,28 @@ def substitution_ratios(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int, 
             "sequence": (_norm(df, (1, 2)) / dX).cpu().numpy()}
 
 
+@torch.no_grad()
+def scale_free_ratios(fmap: EmbeddingMap, X: torch.Tensor, rho: float, gen: torch.Generator
+                      ) -> dict[str, np.ndarray]:
+    """Sequence noise of absolute std `rho` on X [B,T,D], read after every loop and after the final norm.
+
+    Returns per-sample arrays: "raw" [R,B] = ‖Δh_t‖/‖ΔX‖, "relative" [R,B] = (‖Δh_t‖/‖h_t‖)/(‖ΔX‖/‖X‖),
+    "rms" [R,B] = RMS(h_t), and "normed raw" / "normed relative" [B] for the output after the final norm."""
+    base = fmap.apply_all(X)
+    d = torch.randn(X.shape, generator=gen, device=X.device, dtype=X.dtype) * rho
+    pert = fmap.apply_all(X + d)
+    nX, dX = _norm(X, (1, 2)), _norm(d, (1, 2))                                       # [B]
+    h0, h1 = base["loops"], pert["loops"]                                             # [R,B,T,D']
+    dh, nh = _norm(h1 - h0, (2, 3)), _norm(h0, (2, 3))                                # [R,B]
+    out = {"raw": (dh / dX).cpu().numpy(), "relative": ((dh / nh) / (dX / nX)).cpu().numpy(),
+           "rms": (nh / math.sqrt(h0.shape[2] * h0.shape[3])).cpu().numpy()}
+    if base["normed"] is not None:
+        dn, nn_ = _norm(pert["normed"] - base["normed"], (1, 2)), _norm(base["normed"], (1, 2))
+        out["normed raw"] = (dn / dX).cpu().numpy()
+        out["normed relative"] = ((dn / nn_) / (dX / nX)).cpu().numpy()
+    return out
+
+
 def jacobian_norm(fmap: EmbeddingMap, X: torch.Tensor, iters: int = 20, seed: int = 0) -> np.ndarray:
     """||∂f/∂X||_2 per sample [B] by power iteration on JᵀJ (samples are independent, so J is block diagonal).
 
@@ -275,7 +345,7 @@ def measure_continuity(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int,
         X = fmap.embed(idx).detach()
     rms = float(X.double().pow(2).mean().sqrt())
     rep = ContinuityReport(input_rms=rms, positions=positions.tolist(), samples=B, length=T)
-    steps = len(cfg.scales) + 1 + (1 if cfg.power_iters else 0) + (1 if cfg.moduli_samples else 0)
+    steps = len(cfg.scales) + 2 + (1 if cfg.power_iters else 0) + (1 if cfg.moduli_samples else 0)
     with tqdm(total=steps, desc="continuity", disable=not progress) as bar:
         for s in cfg.scales:
             r = noise_ratios(fmap, X, s * rms, gen, positions)
@@ -286,10 +356,33 @@ def measure_continuity(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int,
         rep.substitution = {k: Stat.of(v) for k, v in r.items()}
         rep.raw.update({f"substitution {k}": v.tolist() for k, v in r.items()})
         bar.update(1)
+        with torch.no_grad():
+            f0 = fmap.apply(X)
+        rep.output_rms = float(f0.double().pow(2).mean().sqrt())
+        size = _norm(X, (1, 2)).cpu().numpy() / _norm(f0, (1, 2)).cpu().numpy()       # ‖X‖/‖f(X)‖ per sample
+        rep.loopwise_scale = cfg.loopwise_scale
+        r = scale_free_ratios(fmap, X, cfg.loopwise_scale * rms, gen)
+        rep.relative["sequence"] = Stat.of(r["relative"][-1])
+        rep.loopwise = {"raw": [Stat.of(v) for v in r["raw"]], "relative": [Stat.of(v) for v in r["relative"]],
+                        "rms": [float(v.mean()) for v in r["rms"]]}
+        rep.raw.update({"loopwise raw": r["raw"].tolist(), "loopwise relative": r["relative"].tolist()})
+        if "normed raw" in r:
+            rep.normed = {"sequence": Stat.of(r["normed raw"]), "relative": Stat.of(r["normed relative"])}
+            rep.raw.update({"normed raw": r["normed raw"].tolist(), "normed relative": r["normed relative"].tolist()})
+        bar.update(1)
         if cfg.power_iters:
             j = jacobian_norm(fmap, X, cfg.power_iters, seed=cfg.seed)
             rep.jacobian = Stat.of(j)
+            rep.relative["jacobian"] = Stat.of(j * size)
             rep.raw["jacobian"] = j.tolist()
+            normed = fmap.normed_map()
+            if normed is not None:
+                jn = jacobian_norm(normed, X, cfg.power_iters, seed=cfg.seed)
+                with torch.no_grad():
+                    size_n = _norm(X, (1, 2)).cpu().numpy() / _norm(normed.apply(X), (1, 2)).cpu().numpy()
+                rep.normed["jacobian"] = Stat.of(jn)
+                rep.normed["relative jacobian"] = Stat.of(jn * size_n)
+                rep.raw["normed jacobian"] = jn.tolist()
             bar.update(1)
         if cfg.moduli_samples:
             # δ = the norm of the smallest noise perturbation of a whole window
@@ -330,7 +423,14 @@ def to_markdown(reports: dict[str, ContinuityReport]) -> str:
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
 
     first = reports[names[0]]
-    row("**local Lipschitz ‖∂f/∂X‖₂**", lambda r: r.jacobian)
+    rho = _fmt(first_scale(reports))
+    row("**local Lipschitz ‖∂f/∂X‖₂** (raw)", lambda r: r.jacobian)
+    row("**relative local Lipschitz ‖∂f/∂X‖₂·‖X‖/‖f(X)‖**", lambda r: r.relative.get("jacobian"))
+    row(f"relative (‖Δf‖/‖f‖)/(‖ΔX‖/‖X‖), noise ρ={rho} · sequence", lambda r: r.relative.get("sequence"))
+    row("after the final norm: local Lipschitz (raw)", lambda r: r.normed.get("jacobian"))
+    row("after the final norm: relative local Lipschitz", lambda r: r.normed.get("relative jacobian"))
+    row(f"after the final norm: noise ρ={rho} · sequence (raw)", lambda r: r.normed.get("sequence"))
+    row(f"after the final norm: noise ρ={rho} · sequence (relative)", lambda r: r.normed.get("relative"))
     for s in first.noise:
         for k in KINDS:
             row(f"noise ρ={s} · {k}", lambda r, s=s, k=k: r.noise.get(s, {}).get(k))
@@ -345,8 +445,45 @@ def to_markdown(reports: dict[str, ContinuityReport]) -> str:
                 f"(RMS {', '.join(_fmt(reports[n].input_rms) for n in names)}), f = output embeddings; noise std "
                 "= ρ·RMS(X). Worst case (if measured): `loopformer.theory.moduli` over the box of the sample "
                 "embeddings at δ = smallest ρ·RMS(X)·√(TD). Continuity coefficient (mean local Lipschitz): "
-                + ", ".join(f"{n} {_fmt(reports[n].coefficient)}" for n in names) + ".")
-    return "\n".join(rows) + "\n"
+                + ", ".join(f"{n} {_fmt(reports[n].coefficient)}" for n in names) + "; RMS of f(X): "
+                + ", ".join(f"{n} {_fmt(reports[n].output_rms)}" for n in names) + ".")
+    loop_table = loopwise_markdown(reports)
+    return "\n".join(rows) + "\n" + ("\n" + loop_table if loop_table else "")
+
+
+def first_scale(reports: dict[str, ContinuityReport]) -> float:
+    return next(iter(reports.values())).loopwise_scale
+
+
+def loopwise_markdown(reports: dict[str, ContinuityReport]) -> str:
+    """Per loop t: raw and relative sequence ratios (mean) of the hidden state after loop t, its RMS, and the
+    TMLT gate magnitudes mean |γ1(t)| / |γ2(t)| (attention / MLP residual), one column group per model."""
+    names = [n for n in reports if reports[n].loopwise.get("raw")]
+    if not names:
+        return ""
+    R = max(len(reports[n].loopwise["raw"]) for n in names)
+    gated = [n for n in names if reports[n].gates.get("gate_attn")]
+    head = "| loop t | " + " | ".join(f"{n} raw | {n} relative | {n} RMS(h_t)" for n in names)
+    head += "".join(f" | {n} \\|γ1\\| / \\|γ2\\|" for n in gated) + " |"
+    sep = "|---|" + "---|" * (3 * len(names) + len(gated))
+    lines = [head, sep]
+    for t in range(R):
+        cells = []
+        for n in names:
+            lw = reports[n].loopwise
+            if t < len(lw["raw"]):
+                cells += [_fmt(lw["raw"][t].mean), _fmt(lw["relative"][t].mean), _fmt(lw["rms"][t])]
+            else:
+                cells += ["—"] * 3
+        for n in gated:
+            g = reports[n].gates
+            cells.append(f"{_fmt(g['gate_attn'][t])} / {_fmt(g['gate_mlp'][t])}" if t < len(g["gate_attn"]) else "—")
+        lines.append(f"| {t + 1} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Per loop: sequence noise ρ={_fmt(first_scale(reports))} on the input embeddings, read after loop "
+                 "t (mean over the windows): raw ‖Δh_t‖/‖ΔX‖, relative (‖Δh_t‖/‖h_t‖)/(‖ΔX‖/‖X‖), RMS of h_t; "
+                 "TMLT gates: mean |γ(t)| over the width.")
+    return "\n".join(lines) + "\n"
 
 
 def plot(reports: dict[str, ContinuityReport], path: str | os.PathLike) -> None:
@@ -413,11 +550,15 @@ def continuity_of_checkpoint(model, tokens: np.ndarray, vocab_size: int, cfg: Co
     """Measure a `LoopedTransformer` on windows of a token split."""
     T = min(cfg.length, model.config.max_len) if model.config.pos == "learned" else cfg.length
     idx = sample_windows(tokens, cfg.samples, T, cfg.seed)
+    from loopformer.model.diagnostics import modulation_stats
+
     device = next(model.parameters()).device
-    return measure_continuity(LoopedEmbeddingMap(model, loops, output), idx.to(device), vocab_size, cfg,
-                              progress=progress)
+    rep = measure_continuity(LoopedEmbeddingMap(model, loops, output), idx.to(device), vocab_size, cfg,
+                             progress=progress)
+    rep.gates = modulation_stats(model, loops or model.config.loops) or {}
+    return rep
 
 
 __all__ = ["EmbeddingMap", "LoopedEmbeddingMap", "ContinuityConfig", "ContinuityReport", "Stat", "noise_ratios",
-           "substitution_ratios", "jacobian_norm", "theory_moduli", "measure_continuity", "sample_windows", "to_markdown", "plot",
+           "substitution_ratios", "scale_free_ratios", "jacobian_norm", "theory_moduli", "measure_continuity", "sample_windows", "to_markdown", "loopwise_markdown", "plot",
            "write_json", "continuity_of_checkpoint", "perturb_tokens"]
