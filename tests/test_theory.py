@@ -394,3 +394,89 @@ def test_cli_rate(tmp_path):
 def test_cli_verify_all():
     from loopformer.cli import main
     assert main(["theory", "verify", "--no-progress"]) == 0
+
+
+# ------------------------------------------------------------------------------------------- theory modulus / rate
+def _user_target_module(tmp_path, monkeypatch):
+    (tmp_path / "user_targets.py").write_text(
+        "import numpy as np\n"
+        "def triple(X):\n    return 3 * X\n"
+        "def flat(X):\n    return np.asarray(X).sum()\n"
+        "def nan(X):\n    return X * float('nan')\n"
+        "CONST = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_cli_modulus_builtin_and_user_targets(tmp_path, monkeypatch, capsys):
+    import json
+
+    from loopformer.cli import main
+    _user_target_module(tmp_path, monkeypatch)
+    out = tmp_path / "m.json"
+    assert main(["theory", "modulus", "--target", "sum", "--delta", "0.1", "--N", "3", "--samples", "128",
+                 "--steps", "15", "--restarts", "4", "--out", str(out)]) == 0
+    assert "| cont | 0.1 |" in capsys.readouterr().out
+    m = json.loads(out.read_text())["moduli"]
+    # f(X)_n = Σ_j x_j: ω^tok(δ) = δ, ω^cont(δ) = √(N−1)δ, ω(δ) = Nδ — lower bounds that reach them
+    for kind, true in (("tok", 0.1), ("cont", math.sqrt(2) * 0.1), ("seq", 0.3)):
+        assert true * 0.97 <= m[kind]["value"] <= true * (1 + 1e-9)
+        X, Xp = np.array(m[kind]["X"]), np.array(m[kind]["X_prime"])
+        assert np.linalg.norm(X - Xp) <= 0.1 * (1 + 1e-9)
+    assert main(["theory", "modulus", "--target", "user_targets:triple", "--kind", "tok", "--delta", "0.2",
+                 "--samples", "128", "--steps", "0", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["moduli"]["tok"]["value"] == pytest.approx(0.6, rel=1e-9)
+    capsys.readouterr()
+    for target, words in (("nope_module:f", "cannot import"), ("user_targets:missing", "no attribute"),
+                          ("user_targets:CONST", "not callable"), ("user_targets:flat", "same shape"),
+                          ("user_targets:nan", "non-finite"), ("nocolon", "package.module:function")):
+        assert main(["theory", "modulus", "--target", target, "--delta", "0.1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("loopformer: error:") and words in err
+    for bad in (["--delta", "0"], ["--delta", "0.1", "--p", "0.5"], ["--delta", "0.1", "--lo", "2"],
+                ["--delta", "0.1", "--checkpoint", str(tmp_path / "none")],
+                ["--delta", "0.1", "--target", "sum", "--checkpoint", str(tmp_path)]):
+        assert main(["theory", "modulus", *bad]) == 2
+        assert capsys.readouterr().err.startswith("loopformer: error:")
+    assert main(["theory", "rate", "--out", str(tmp_path / "r"), "--deltas", "2", "--target",
+                 "user_targets:flat"]) == 2
+    assert "same shape" in capsys.readouterr().err
+
+
+def test_cli_modulus_of_a_checkpoint(tmp_path, capsys):
+    import json
+
+    import torch
+
+    from loopformer.analysis.continuity import LoopedEmbeddingMap
+    from loopformer.cli import main
+    from loopformer.model import LoopedTransformer, ModelConfig
+    from loopformer.model.io import load, save_checkpoint
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "ck", LoopedTransformer(ModelConfig(vocab_size=20, max_len=8, d_model=8, n_heads=2,
+                                                                   loops=2)))
+    out = tmp_path / "m.json"
+    assert main(["theory", "modulus", "--checkpoint", str(tmp_path / "ck"), "--N", "4", "--delta", "0.05",
+                 "--samples", "64", "--steps", "3", "--restarts", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["d"] == 8 and data["N"] == 4 and data["lo"] < 0 < data["hi"]
+    # the reported value is the gap of the returned pair under the model itself (sequence modulus)
+    fmap = LoopedEmbeddingMap(load(tmp_path / "ck").double())
+    X, Xp = (torch.tensor(data["moduli"]["seq"][k], dtype=torch.float64).T[None] for k in ("X", "X_prime"))
+    with torch.no_grad():
+        gap = (fmap.apply(X) - fmap.apply(Xp)).norm().item()
+    assert gap == pytest.approx(data["moduli"]["seq"]["value"], rel=1e-9)
+    assert main(["theory", "modulus", "--checkpoint", str(tmp_path / "ck"), "--N", "9", "--delta", "0.1"]) == 2
+    assert "max_len" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_rate_user_target(tmp_path, monkeypatch):
+    from loopformer.cli import main
+    _user_target_module(tmp_path, monkeypatch)
+    assert main(["theory", "rate", "--out", str(tmp_path / "r"), "--deltas", "2", "--samples", "200",
+                 "--target", "user_targets:triple", "--no-progress"]) == 0
+    rows = (tmp_path / "r" / "rate.csv").read_text().splitlines()
+    head, vals = rows[0].split(","), rows[1].split(",")
+    row = dict(zip(head, vals))
+    assert int(row["cell_mismatches"]) == 0
+    assert float(row["w_tok"]) == pytest.approx(3 * 0.5, rel=1e-9)      # ω^tok(δ√d) of 3X at δ = 1/2

@@ -1,4 +1,9 @@
-"""`loopformer theory verify` and `loopformer theory rate` (paper Sec. 3–4, App. A–B made executable)."""
+"""`loopformer theory verify`, `theory rate` and `theory modulus` (paper Sec. 3–4, App. A–B made executable).
+
+    loopformer theory modulus --target default|identity|sum|pkg.module:function --delta 0.1 [--kind all] [--N 2]
+    loopformer theory modulus --checkpoint DIR --N 8 --delta 0.5          # a trained model, input → output embeddings
+    loopformer theory rate --out DIR [--target pkg.module:function]
+"""
 
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _rate(args: argparse.Namespace) -> int:
     from loopformer.theory.rate import rate_experiment, write_rate
+    from loopformer.theory.targets import check_target, load_target
     if args.N < 1 or args.d < 1:
         raise UserError("N and d must be >= 1")
     deltas = _ints(args.deltas)
@@ -52,7 +58,11 @@ def _rate(args: argparse.Namespace) -> int:
         raise UserError(f"every δ^-1 needs δ^-d >= N = {args.N} distinct token cells")
     if args.samples < 1:
         raise UserError("--samples must be >= 1")
-    points = rate_experiment(deltas, args.N, args.d, p=args.p, samples=args.samples, seed=args.seed,
+    if not args.p >= 1:
+        raise UserError(f"--p must be >= 1 (got {args.p})")
+    f = load_target(args.target)
+    check_target(f, args.d, args.N, f"target {args.target!r}")
+    points = rate_experiment(deltas, args.N, args.d, f=f, p=args.p, samples=args.samples, seed=args.seed,
                              progress=not args.no_progress)
     csv_path, png_path = write_rate(points, args.out)
     print("| δ⁻¹ | loops r | bits | L^p error (distinct) | L^p error (all) | bound (δ=1/δ⁻¹) | δ(r) | bound at δ(r) |")
@@ -61,6 +71,63 @@ def _rate(args: argparse.Namespace) -> int:
         print(f"| {pt.delta_inv} | {pt.loops} | {pt.max_bits} | {pt.lp_error_distinct:.4f} | {pt.lp_error_all:.4f} | "
               f"{pt.bound:.4f} | {pt.delta_r:.4f} | {pt.bound_r:.4f} |")
     print(f"wrote {csv_path} and {png_path}", file=sys.stderr)
+    return 0
+
+
+def _modulus(args: argparse.Namespace) -> int:
+    import json
+    import math
+
+    from loopformer.theory.moduli import KINDS, estimate_modulus
+    from loopformer.theory.targets import check_target, checkpoint_target, load_target
+
+    kinds = list(KINDS) if args.kind == "all" else [args.kind]
+    if args.N < 1 or args.d < 1:
+        raise UserError("N and d must be >= 1")
+    if not (args.delta > 0 and math.isfinite(args.delta)):
+        raise UserError(f"--delta must be a positive number (got {args.delta})")
+    if not args.p >= 1:
+        raise UserError(f"--p must be >= 1 (got {args.p})")
+    if args.samples < 1 or args.steps < 0 or args.restarts < 1:
+        raise UserError("--samples and --restarts must be >= 1, --steps >= 0")
+    if args.checkpoint:
+        if args.target is not None:
+            raise UserError("give either --target or --checkpoint, not both")
+        f, d, lo, hi = checkpoint_target(args.checkpoint, args.N, args.loops)
+        name = f"checkpoint {args.checkpoint}"
+    else:
+        spec = args.target or "default"
+        f, d = load_target(spec), args.d
+        lo, hi = 0.0, 1.0
+        name = f"target {spec!r}"
+        check_target(f, d, args.N, name)
+    lo = lo if args.lo is None else args.lo
+    hi = hi if args.hi is None else args.hi
+    if not lo < hi:
+        raise UserError(f"the box needs lo < hi (got lo={lo}, hi={hi})")
+    rows, found = [], {}
+    for kind in kinds:
+        est = estimate_modulus(f, args.delta, kind, d, args.N, args.p, samples=args.samples, steps=args.steps,
+                               restarts=args.restarts, seed=args.seed, lo=lo, hi=hi, batch=min(args.samples, 1024))
+        found[kind] = est
+        rows.append(f"| {kind} | {args.delta:g} | {est.value:.6g} | {est.value / args.delta:.6g} | {est.evaluations} |")
+    print(f"Moduli of continuity of {name} (d={d}, N={args.N}, p={args.p:g}, box [{lo:.4g}, {hi:.4g}]); every "
+          "value is attained by a feasible pair, so it is a lower bound of the supremum:")
+    print("| modulus | δ | ω(δ) ≥ | ω(δ)/δ | evaluations |")
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
+    if args.out:
+        data = {"target": name, "d": d, "N": args.N, "p": args.p, "lo": lo, "hi": hi, "delta": args.delta,
+                "moduli": {k: {"value": e.value, "evaluations": e.evaluations, "n": e.n, "X": e.X.tolist(),
+                               "X_prime": e.Xp.tolist()} for k, e in found.items()}}
+        d_out = os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(d_out, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d_out, suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 
@@ -80,6 +147,31 @@ def register(subparsers) -> None:
     r.add_argument("--p", type=float, default=2.0, help="the p of the L^p error (default 2)")
     r.add_argument("--samples", type=int, default=20000, help="Monte Carlo samples (default 20000)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--target", default="default",
+                   help="the function f to approximate: default (sin(2x_n + Σx)/2), identity, sum, or "
+                        "package.module:function mapping an array [..., d, N] to the same shape")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=_rate)
+    m = sub.add_parser("modulus", help="Definitions 3.3–3.5: lower-bound the moduli of continuity of a target or "
+                                       "a trained checkpoint")
+    m.add_argument("--target", default=None,
+                   help="default, identity, sum, or package.module:function mapping [..., d, N] to the same shape "
+                        "(numpy; torch too for gradient ascent); default: default")
+    m.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="a trained model instead: input embeddings [D, N] -> the residual stream after the last loop")
+    m.add_argument("--kind", default="all", choices=["all", "seq", "cont", "tok"],
+                   help="sequence (Def. 3.3), contextual (3.4), token (3.5) or all (default)")
+    m.add_argument("--delta", type=float, required=True, help="the radius δ")
+    m.add_argument("--N", type=int, default=2, help="sequence length N (default 2)")
+    m.add_argument("--d", type=int, default=1, help="token dimension d (default 1; a checkpoint sets its width)")
+    m.add_argument("--p", type=float, default=2.0, help="the p of the output norm (default 2)")
+    m.add_argument("--lo", type=float, default=None, help="box lower edge (default 0, or the embeddings' minimum)")
+    m.add_argument("--hi", type=float, default=None, help="box upper edge (default 1, or the embeddings' maximum)")
+    m.add_argument("--loops", type=int, default=None, help="a checkpoint's loop count (default: as trained)")
+    m.add_argument("--samples", type=int, default=4096, help="random feasible pairs (default 4096)")
+    m.add_argument("--steps", type=int, default=200, help="projected gradient-ascent steps (default 200)")
+    m.add_argument("--restarts", type=int, default=16, help="best pairs refined by gradient ascent (default 16)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--out", default=None, help="also write the estimates and attaining pairs as JSON")
+    m.set_defaults(func=_modulus)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
