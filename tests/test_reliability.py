@@ -277,3 +277,103 @@ def test_kill_after_the_final_checkpoint_gives_one_final_record(tmp_path, full_r
     (run / "results.json").unlink()                      # killed after the last checkpoint, before the results
     train(load_for_resume(run), resume=True)
     assert comparable(run) == comparable(full_run)
+
+
+# ---------------------------------------------------------------------------------------------- kill harness
+class _Killer:
+    """Kills training (raises Killed) at the `at`-th occurrence of one event, the way a kill -9 would: from then on
+    nothing is cleaned up (no temporary folder removed)."""
+
+    EVENTS = ("step", "swap-aside", "swap-into-place", "weights-write", "state-write", "metrics-write")
+
+    def __init__(self, monkeypatch, event: str, at: int):
+        import shutil
+
+        import loopformer.train.trainer as trainer_mod
+
+        self.event, self.at, self.n, self.dead = event, at, 0, False
+        real_replace, real_rmtree = os.replace, shutil.rmtree
+        real_save_model, real_torch_save = ckpt_io.save_model, ckpt_io.torch.save
+        real_write = trainer_mod.MetricsLog.write
+
+        def fire(kind: str) -> bool:
+            if self.dead or kind != self.event:
+                return False
+            self.n += 1
+            if self.n == self.at:
+                self.dead = True
+            return self.dead
+
+        def replace(src, dst):
+            name = Path(src).name
+            if (name == "checkpoint" and fire("swap-aside")) or (
+                    name.startswith(".checkpoint.tmp-") and fire("swap-into-place")):
+                raise Killed
+            return real_replace(src, dst)
+
+        def rmtree(path, *a, **k):
+            if not self.dead:
+                real_rmtree(path, *a, **k)
+
+        def save_model(model, filename, *a, **k):
+            real_save_model(model, filename, *a, **k)
+            if fire("weights-write"):
+                data = Path(filename).read_bytes()
+                Path(filename).write_bytes(data[: len(data) // 3])
+                raise Killed
+
+        def torch_save(obj, f, *a, **k):
+            real_torch_save(obj, f, *a, **k)
+            if str(f).endswith("training_state.pt") and fire("state-write"):
+                data = Path(f).read_bytes()
+                Path(f).write_bytes(data[: len(data) // 2])
+                raise Killed
+
+        def write(log, record):
+            if log.enabled and fire("metrics-write"):
+                log.fh.write(json.dumps(record)[:20])
+                log.fh.flush()
+                raise Killed
+            return real_write(log, record)
+
+        monkeypatch.setattr(ckpt_io.os, "replace", replace)
+        monkeypatch.setattr(ckpt_io.shutil, "rmtree", rmtree)
+        monkeypatch.setattr(ckpt_io, "save_model", save_model)
+        monkeypatch.setattr(ckpt_io.torch, "save", torch_save)
+        monkeypatch.setattr(trainer_mod.MetricsLog, "write", write)
+        self.on_step = lambda step: (_ for _ in ()).throw(Killed()) if fire("step") else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(8))
+def test_kill_harness_resume_gives_the_uninterrupted_run(tmp_path, full_run, seed):
+    """Kill training at random moments — between steps, while writing weights, training state or a metrics line,
+    and between the two renames of a checkpoint swap — resume until it finishes, and compare with the
+    uninterrupted run: same metrics, same final weights and results, no leftovers."""
+    import random
+
+    rng = random.Random(seed)
+    run = tmp_path / "run"
+    kills = 0
+    for _ in range(12):
+        event = rng.choice(_Killer.EVENTS)
+        at = rng.randint(1, 10 if event in ("step", "metrics-write") else 4)
+        with pytest.MonkeyPatch.context() as mp:
+            killer = _Killer(mp, event, at)
+            try:
+                try:
+                    train(load_for_resume(run), resume=True, on_step=killer.on_step)
+                except UserError as exc:       # nothing to resume yet (no run folder or no checkpoint)
+                    if "no training state" not in str(exc) and "not a loopformer run" not in str(exc):
+                        raise
+                    train(tiny(run, *UNALIGNED), on_step=killer.on_step)
+                break
+            except Killed:
+                kills += 1
+    else:
+        pytest.fail("the run never finished")
+    print(f"seed {seed}: {kills} kills")
+    assert hidden_leftovers(run) == []
+    assert comparable(run) == comparable(full_run)
+    assert same_weights(run / "checkpoint", full_run / "checkpoint")
+    assert read_results(run)["test"] == read_results(full_run)["test"]

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from loopformer.configio import load_config, user_layers
+from loopformer.configio import _one_line, load_config, user_layers
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 
@@ -159,8 +160,11 @@ class RunConfig:
 def _raw_layers(path: Optional[str | os.PathLike], overrides: Iterable[str]) -> dict:
     """The YAML file and overrides merged without a schema (to find the task before the full load)."""
     layers = user_layers(path, overrides)
-    merged = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
-    return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
+    try:
+        merged = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
+        return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:   # e.g. a list merged onto a section
+        raise UserError(f"config error: {_one_line(exc)}") from None
 
 
 def load_run_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
@@ -175,7 +179,7 @@ def load_run_config(path: Optional[str | os.PathLike] = None, overrides: Iterabl
     overrides = list(overrides)
     raw = _raw_layers(path, overrides)
     for layer in (base or {}, raw):
-        if not isinstance(layer.get("task", {}) or {}, dict):
+        if layer.get("task") is not None and not isinstance(layer["task"], dict):
             raise UserError("config error: task must hold key: value pairs (task.name, task.options, ...), "
                             "not a list or a value")
     task_raw = dict((base or {}).get("task", {}) or {})

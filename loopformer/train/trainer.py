@@ -127,7 +127,15 @@ def nonfinite_parameter(model: torch.nn.Module) -> Optional[str]:
 
 def read_results(run_dir: str | os.PathLike) -> Optional[dict]:
     f = Path(run_dir) / RESULTS_FILE
-    return json.loads(f.read_text()) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        res = json.loads(f.read_text())
+    except ValueError:     # bad JSON or not UTF-8
+        raise UserError(f"{f} is not valid JSON") from None
+    if not isinstance(res, dict):
+        raise UserError(f"{f} is not a JSON object")
+    return res
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
@@ -135,13 +143,16 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     if not f.is_file():
         return []
     out = []
-    for line in f.read_text().splitlines():
+    for line in f.read_bytes().splitlines():
         line = line.strip()
         if line:
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:   # a line cut by a kill
+                rec = json.loads(line.decode("utf-8"))
+            except ValueError:   # a line cut by a kill (or damaged): the log ends before it
                 break
+            if not isinstance(rec, dict) or not isinstance(rec.get("step", 0), int):
+                break
+            out.append(rec)
     return out
 
 
