@@ -204,7 +204,7 @@ def rows_softmax() -> Iterator[Row]:
             lo, hi = softmax_gaps(base, N, lam111, printed, M)
             lmin = smallest_temperature(base, N, printed, M, tol=1e-2)
             note = (f"smallest λ that passes: {lmin:.2f}" if math.isfinite(lmin) else
-                    "no λ ≤ 64 passes: k̃ > k (overshoot)")
+                    "fails at λ = 64 too: k̃ > k (overshoot)")
             yield Row("Eq. 109–111 softmax CM", f"δ⁻ᵈ={base}, N={N}, λ=λ₁₁₁={lam111:.3f}: 0 < k − k̃ < 1 (Eq. 94)",
                       sz, N, hi, 1, tag, expect, note, strict=True, low=0, error_min=lo)
             lam = lam111 + 8
