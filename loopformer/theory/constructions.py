@@ -172,7 +172,9 @@ def contextual_mapping(base: int, N: int, eps=F(1, 2), M=None, attention: str = 
     `attention="softmax"` with `temperature=λ` is the softmax version of App. A.2 (Eq. 96).
     Repair (Eq. 107): the softmax error bound assumes every non-selected score is at least 1 below the
     selected one, but a marked token keeps the score z_j − Mε, which is only > −1 when M ≤ base/ε.  With
-    `printed=False` the default M is 2·base/ε, so marked scores are ≤ −base and Eq. 107's gap of 1 holds.
+    `printed=False` the default M is 2·base/ε, so marked scores are ≤ −base and Eq. 107's gap of 1 holds.  With
+    the printed default (gap ½) the softmax overshoots the ID in the last loop, so k − k̃ < 0 and the criterion
+    0 < k − k̃ < 1 of Eq. 94 / 111 fails at every λ (see `verify.rows_softmax`).
     The hardmax construction works as printed.
     """
     if base < 2 or N < 1:
