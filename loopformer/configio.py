@@ -51,7 +51,7 @@ def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] 
     if overrides:
         try:
             layers.append(OmegaConf.from_dotlist(overrides))
-        except OmegaConfBaseException as exc:
+        except (OmegaConfBaseException, ValueError, TypeError) as exc:   # e.g. a.b=1 after a=[1, 2]
             raise UserError(f"bad override: {_one_line(exc)}") from None
     return layers
 
