@@ -57,8 +57,12 @@ stage() {
           [ -f "$run/results.json" ] || continue
           mkdir -p "docs/tmlt-study/$name/runs/$(basename "$run")"
           cp "$run/results.json" "docs/tmlt-study/$name/runs/$(basename "$run")/"
-          grep '"split": "dynamics"' "$run/metrics.jsonl" \
-            > "docs/tmlt-study/$name/runs/$(basename "$run")/dynamics.jsonl" || true
+          dest="docs/tmlt-study/$name/runs/$(basename "$run")"
+          grep '"split": "dynamics"' "$run/metrics.jsonl" > "$dest/dynamics.jsonl" || rm -f "$dest/dynamics.jsonl"
+          case "$(basename "$run")" in   # per-loop dynamics on 1,000 test rows up to 2r, for the first seed
+            *seed=*) case "$(basename "$run")" in *seed=0*) ;; *) continue ;; esac ;;
+          esac
+          "$LF" analyze dynamics "$run" -n 1000 --out "$dest" >/dev/null
         done
       done ;;
     *) echo "unknown stage: $1" >&2; exit 2 ;;
