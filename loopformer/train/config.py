@@ -54,7 +54,7 @@ class TaskConfig:
     def __post_init__(self) -> None:
         _need(bool(self.name), "task.name must be set")
         _need(self.n_train >= 1 and self.n_test >= 1, "task.n_train and task.n_test must be >= 1")
-        _need(self.seed >= 0, f"task.seed must be >= 0 (got {self.seed})")
+        _need(0 <= self.seed < 2 ** 63, f"task.seed must be in [0, 2^63) (got {self.seed})")
         _need(self.block_size >= 2, "task.block_size must be >= 2")
         _need(self.eval_windows >= 1, "task.eval_windows must be >= 1")
         _need(self.points >= 1, "task.points must be >= 1")
@@ -147,7 +147,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        _need(self.seed >= 0, f"seed must be >= 0 (got {self.seed})")
+        _need(0 <= self.seed < 2 ** 63, f"seed must be in [0, 2^63) (got {self.seed})")
         _need(self.device in DEVICES, f"device must be one of {DEVICES} (got {self.device!r})")
         _need(self.threads >= 0, "threads must be >= 0")
         _need(self.log.dynamics_every >= 0, f"log.dynamics_every must be >= 0 (got {self.log.dynamics_every})")
