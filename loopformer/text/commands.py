@@ -162,10 +162,14 @@ def _perplexity(args) -> int:
         print(f"{args.split} estimate   {est.ppl:.3f}  (nll {est.nll:.4f}; {est.description})")
     if args.json:
         tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, args.json)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(results, f, indent=2)
+                f.write("\n")
+            os.replace(tmp, args.json)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return 0
 
 

@@ -81,7 +81,8 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     model = load(p, device=dev)
     data = make_data(task_cfg)
     r = loops or model.config.loops
-    res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, max(MAX_LOOPS, 2 * model.config.loops)) if loopwise else 0),
+    cap = max(MAX_LOOPS, 2 * model.config.loops)
+    res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, cap) if loopwise else 0),
                    batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=True)
     res["checkpoint"] = str(p)
     res["trained_loops"] = model.config.loops
