@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
+from loopformer.model.diagnostics import is_timestep_param
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import KVCache, Layer, RMSNorm, TimestepEmbedder
 
@@ -72,8 +73,6 @@ class LoopedTransformer(nn.Module, _HubMixin):
         read-out weights (the looped model's are those of earlier versions): with the gates at 1 the untrained TMLT
         is exactly the untrained looped model of that seed (paired comparisons).
         """
-        from loopformer.model.diagnostics import is_timestep_param
-
         std = self.config.init_std
         named = list(self.named_parameters())
         for name, p in [*((n, p) for n, p in named if not is_timestep_param(n)),
