@@ -192,9 +192,14 @@ def test_recover_checkpoint_picks_the_newest_complete_folder(tmp_path):
     w = broken / "model.safetensors"
     w.write_bytes(w.read_bytes()[:-4])                   # a folder cut short while being written
     os.replace(broken, tmp_path / ".checkpoint.tmp-def")
+    writing = tmp_path / ".checkpoint.tmp-live"            # a running writer's folder: young, incomplete
+    writing.mkdir()
+    (writing / "model.safetensors").write_bytes(b"\0" * 8)
+    for p in [*(tmp_path / ".checkpoint.tmp-def").rglob("*"), tmp_path / ".checkpoint.tmp-def"]:
+        os.utime(p, (p.stat().st_atime - 600, p.stat().st_mtime - 600))   # left by a kill ten minutes ago
     assert ckpt_io.recover_checkpoint(dest) == dest
     assert ckpt_io.load_training_state(dest)["step"] == 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.tmp-live", "checkpoint"]
 
 
 # ---------------------------------------------------------------------------------------------- 3. non-finite

@@ -111,12 +111,27 @@ def checkpoint_step(path: str | os.PathLike) -> Optional[int]:
     return int(state["step"]) if state else None
 
 
+STALE_S = 60.0   # a hidden temporary folder untouched this long belongs to no running writer
+
+
+def _stale(folder: Path) -> bool:
+    """Whether nothing in `folder` (nor the folder) was modified in the last STALE_S seconds."""
+    import time
+
+    try:
+        newest = max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.rglob("*")])
+    except OSError:
+        return True
+    return time.time() - newest > STALE_S
+
+
 def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
     """Repair a checkpoint swap cut short, then delete its leftovers.
 
     If `path` is missing (a kill between the two renames of `replace_dir`) or incomplete, the newest complete
-    hidden folder of the swap is renamed into place. Every other hidden folder is deleted. Returns `path` if a
-    checkpoint is there afterwards, else None. Call it only when no other process is writing this checkpoint.
+    hidden folder of the swap is renamed into place. Leftovers are deleted: `.NAME.old-*` folders, and
+    `.NAME.tmp-*` folders untouched for STALE_S seconds (a younger one may be a running writer's; the next
+    `save_checkpoint` removes it). Returns `path` if a checkpoint is there afterwards, else None.
     """
     dest = Path(path)
     hidden = _hidden(dest)
@@ -135,7 +150,7 @@ def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
                 hidden.append(broken)
             os.replace(best[1], dest)
     for h in hidden:
-        if h.exists():
+        if h.exists() and (f".{dest.name}.old-" in h.name or _stale(h)):
             shutil.rmtree(h, ignore_errors=True)
     return dest if dest.exists() else None
 
@@ -160,9 +175,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Opt
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for h in _hidden(dest):           # leftovers of earlier swaps cut short
-        if h.name.startswith(f".{dest.name}.old-"):
-            shutil.rmtree(h, ignore_errors=True)
+    for h in _hidden(dest):           # leftovers of earlier swaps cut short (this process writes this checkpoint)
+        shutil.rmtree(h, ignore_errors=True)
     return dest
 
 
