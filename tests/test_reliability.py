@@ -178,6 +178,21 @@ def test_kill_before_the_first_rename_keeps_the_old_checkpoint(tmp_path, monkeyp
     assert same_weights(run / "checkpoint", full_run / "checkpoint")
 
 
+def test_sweeps_resume_a_run_killed_inside_a_swap(tmp_path, monkeypatch):
+    """`loopformer sweep` decides between resuming and starting a run: a run whose checkpoint sits under a hidden
+    name is resumed, not started again."""
+    from loopformer.train.trainer import resumable
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        _kill_inside_swap(m, at_call=1, which="tmp")
+        with pytest.raises(Killed):
+            train(tiny(run, "train.steps=4", "train.eval_every=2"))
+    assert not (run / "checkpoint").exists()
+    assert resumable(run) and ckpt_io.load_training_state(run / "checkpoint")["step"] == 2
+    assert not resumable(tmp_path / "never-started")
+
+
 def test_recover_checkpoint_picks_the_newest_complete_folder(tmp_path):
     from loopformer.model import LoopedTransformer, ModelConfig
 

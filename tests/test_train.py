@@ -271,7 +271,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     args = [*TINY, "train.steps=300", "train.eval_every=40", "eval.max_loops=2"]
     train(load_run_config(None, [*args, f"out_dir={tmp_path / 'full'}"]))
     cut = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "-m", "loopformer.cli", "train", *args, f"out_dir={cut}", "--quiet"],
+    (tmp_path / "tiny.yaml").write_text("seed: 0\n")         # the run is the overrides
+    proc = subprocess.Popen([sys.executable, "-m", "loopformer.cli", "train", str(tmp_path / "tiny.yaml"), *args,
+                             f"out_dir={cut}", "--quiet"],
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:

@@ -108,9 +108,11 @@ def _progress_of(spec: RunSpec) -> int:
 
 
 def _command(config: Optional[str], spec: RunSpec, overrides: list[str], threads: int) -> list[str]:
+    from loopformer.train.trainer import resumable
+
     cmd = [sys.executable, "-m", "loopformer.cli", "train"]
     extra = [f"threads={threads}"] if threads else []
-    if (spec.out_dir / "checkpoint" / "training_state.pt").is_file():
+    if resumable(spec.out_dir):
         return cmd + extra + ["--resume", str(spec.out_dir), "--quiet"]
     if config:
         cmd.append(str(config))
@@ -120,9 +122,9 @@ def _command(config: Optional[str], spec: RunSpec, overrides: list[str], threads
 def _run_inprocess(config: Optional[str], spec: RunSpec, overrides: list[str], threads: int,
                    progress: bool) -> None:
     from loopformer.train.config import load_run_config
-    from loopformer.train.trainer import load_for_resume, train
+    from loopformer.train.trainer import load_for_resume, resumable, train
 
-    resume = (spec.out_dir / "checkpoint" / "training_state.pt").is_file()
+    resume = resumable(spec.out_dir)
     if resume:
         cfg = load_for_resume(spec.out_dir, [f"threads={threads}"] if threads else [])
     else:

@@ -292,6 +292,15 @@ def results_done(run_dir: Path, step: int) -> bool:
     return bool(res) and res.get("steps") == step
 
 
+def resumable(run_dir: str | os.PathLike) -> bool:
+    """Whether `run_dir` holds a checkpoint to resume from (repairing a checkpoint swap cut short by a kill).
+    Call it only while no process is training in `run_dir`."""
+    ckpt = Path(run_dir) / CKPT_DIR
+    if ckpt.parent.is_dir():
+        recover_checkpoint(ckpt)
+    return (ckpt / "training_state.pt").is_file()
+
+
 def resolve_resume(path: str | os.PathLike) -> Path:
     """The run folder of `--resume PATH` (PATH may be the run folder or its checkpoint folder)."""
     p = Path(path)
