@@ -554,6 +554,7 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
             "test": final["metrics"], "loopwise": final["loopwise"], "max_loops": final["max_loops"],
             "world_size": d.world, "device": str(d.device), "seed": cfg.seed,
         }
-        _atomic_write(run_dir / RESULTS_FILE, json.dumps(results, indent=2, default=float) + "\n")
+        results = _finite_or_none(json.loads(json.dumps(results, default=float)))   # strict JSON: NaN -> null
+        _atomic_write(run_dir / RESULTS_FILE, json.dumps(results, indent=2, allow_nan=False) + "\n")
     log.close()
     return broadcast_object(d, results)
