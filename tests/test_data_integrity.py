@@ -63,8 +63,10 @@ def test_flipped_byte_in_a_dataset_stops_train_and_eval(dataset, tmp_path, capsy
     error_line(capsys, "checksum mismatch")
 
 
-def test_verification_is_cached_by_size_and_mtime(dataset, monkeypatch):
+def test_verification_is_cached_by_size_and_mtime(dataset, monkeypatch, tmp_path):
     from loopformer.data import open_dataset
+
+    monkeypatch.setenv("LOOPFORMER_CACHE_DIR", str(tmp_path / "cache"))   # not shared with parallel workers
 
     for f in dataset.rglob("*.npy"):
         age(f)
