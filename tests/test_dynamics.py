@@ -225,3 +225,15 @@ def test_analyze_dynamics_bad_input(tmp_path, capsys):
     assert len(err) == 1 and "not found" in err[0]
     (tmp_path / "empty").mkdir()
     assert main(["analyze", "dynamics", str(tmp_path / "empty")]) == 2
+
+
+def test_training_curves_read_null_as_nan():
+    from loopformer.analysis.dynamics import training_curves
+
+    recs = [{"split": "dynamics", "step": 2, "grad_norm_block": None, "update": [0.5, None], "settle_mean": None},
+            {"split": "train", "step": 2, "loss": 1.0},
+            {"split": "dynamics", "step": 4, "grad_norm_block": 0.25, "update": [0.1, 0.3], "settle_mean": 1.5}]
+    c = training_curves(recs)
+    assert c["step"] == [2, 4]
+    assert np.isnan(c["grad_norm_block"][0]) and c["grad_norm_block"][1] == 0.25
+    assert c["mean_update"] == pytest.approx([0.5, 0.2]) and np.isnan(c["settle_mean"][0])

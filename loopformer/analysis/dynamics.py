@@ -64,17 +64,21 @@ def dynamics_of(model: torch.nn.Module, data: Any, *, loops: int, batch_size: in
 
 def training_curves(records: list[dict]) -> dict[str, list]:
     """Series over steps from a run's "dynamics" records: step, grad_norm_<group>, mean gate / update, settle."""
+    def num(v: Any) -> float:   # metrics.jsonl writes an undefined value as null
+        return float("nan") if v is None else float(v)
+
     recs = [r for r in records if r.get("split") == "dynamics"]
     out: dict[str, list] = {"step": [r["step"] for r in recs]}
     for g in PARAM_GROUPS:
         key = f"grad_norm_{g}"
         if any(key in r for r in recs):
-            out[key] = [r.get(key, float("nan")) for r in recs]
+            out[key] = [num(r.get(key)) for r in recs]
     for k in (*MOD_KEYS, "update"):
         if any(k in r for r in recs):
-            out[f"mean_{k}"] = [float(np.mean(r[k])) if k in r else float("nan") for r in recs]
+            out[f"mean_{k}"] = [float(np.nanmean([num(x) for x in r[k]])) if r.get(k) else float("nan")
+                                for r in recs]
     if any("settle_mean" in r for r in recs):
-        out["settle_mean"] = [r.get("settle_mean", float("nan")) for r in recs]
+        out["settle_mean"] = [num(r.get("settle_mean")) for r in recs]
     return out
 
 
