@@ -94,3 +94,12 @@ def test_looped_initialisation_is_unchanged():
         else:
             expect = torch.ones_like(p)
         assert torch.equal(p.detach(), expect), name
+
+
+def test_converted_checkpoints_record_the_papers_parametrisation():
+    from loopformer.model.convert import config_from_args
+
+    args = {"n_loop": 4, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 9}
+    cfg = config_from_args(args, "tmlt")
+    assert cfg.timestep and cfg.timestep_gate_init == 0.0 and cfg.compat == "authors"
+    assert ModelConfig(vocab_size=9).timestep_gate_init == 1.0           # the library's default recipe
