@@ -4,9 +4,8 @@
     a read-out. See `loopformer.model` for the model family.
 """
 
-__version__ = "0.1.0"
-
-from loopformer.model import LoopedTransformer, ModelConfig, preset  # noqa: E402
-from loopformer.model.io import load, save_checkpoint  # noqa: E402
+from loopformer.model import LoopedTransformer, ModelConfig, preset
+from loopformer.model.io import load, save_checkpoint
+from loopformer.version import __version__
 
 __all__ = ["LoopedTransformer", "ModelConfig", "preset", "load", "save_checkpoint", "__version__"]

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Optional
 
 from loopformer.errors import UserError
+from loopformer.fileio import write_json
 
 CACHE_FILE = "verified.json"
 RACY_NS = 2_000_000_000      # a file modified this shortly before it was hashed is hashed again next time
@@ -55,20 +56,14 @@ def _read_cache() -> dict:
 def _write_cache(path: str, entry: dict) -> None:
     """Best effort: an unwritable cache folder or a full disk only means hashing again next time."""
     folder = cache_dir()
-    tmp = os.path.join(folder, f".{CACHE_FILE}.tmp-{os.getpid()}")
     try:
         os.makedirs(folder, exist_ok=True)
         data = _read_cache()
         data = {k: v for k, v in data.items() if os.path.exists(k)} if len(data) > 10000 else data
         data[path] = entry
-        with open(tmp, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-        os.replace(tmp, os.path.join(folder, CACHE_FILE))
+        write_json(os.path.join(folder, CACHE_FILE), data, indent=1, sort_keys=True)
     except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        pass
 
 
 def verify_file(path: str | os.PathLike, sha256: Optional[str], label: str,

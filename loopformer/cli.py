@@ -17,7 +17,7 @@ from loopformer.errors import UserError
 
 _COMMAND_MODULES = [
     "loopformer.model.commands",    # info, presets, convert
-    "loopformer.tasks.commands",    # data gen / show / import
+    "loopformer.data.commands",     # data gen / show / import
     "loopformer.train.commands",    # train, eval, sweep, report, demo
     "loopformer.theory.commands",   # theory verify / rate
     "loopformer.text.commands",     # text prepare, generate, perplexity

@@ -19,7 +19,12 @@ from __future__ import annotations
 
 import os
 
+from loopformer.analysis import continuity
+from loopformer.analysis.dynamics import analyze_dynamics
 from loopformer.errors import UserError
+from loopformer.fileio import pick_device
+from loopformer.model.io import load
+from loopformer.text.dataset import TokenCorpus
 
 
 def register(subparsers) -> None:
@@ -91,43 +96,37 @@ def _names(paths: list[str]) -> list[str]:
 
 
 def _continuity(args) -> int:
-    from loopformer.analysis.continuity import (ContinuityConfig, continuity_of_checkpoint, plot, to_markdown,
-                                                write_json, write_text)
-    from loopformer.text.commands import default_device, load_model
-    from loopformer.text.dataset import TokenCorpus
-
     for c in args.checkpoints:
         if not os.path.isdir(c):
             raise UserError(f"checkpoint not found: {c}")
     corpus = TokenCorpus(args.data)
     tokens = corpus.tokens(args.split)
-    cfg = ContinuityConfig(samples=args.samples, length=args.length, scales=_parse_scales(args.scales),
-                           power_iters=args.power_iters, moduli_samples=args.moduli_samples, seed=args.seed,
-                           protect=corpus.eot_id, loopwise_scale=args.loopwise_scale)
-    device = default_device(args.device)
+    cfg = continuity.ContinuityConfig(samples=args.samples, length=args.length, scales=_parse_scales(args.scales),
+                                      power_iters=args.power_iters, moduli_samples=args.moduli_samples,
+                                      seed=args.seed, protect=corpus.eot_id, loopwise_scale=args.loopwise_scale)
+    device = pick_device(args.device)
     reports = {}
     for name, path in zip(_names(args.checkpoints), args.checkpoints):
-        model = load_model(path, device)
+        model = load(path, device=device)
         if model.config.vocab_size < corpus.vocab_size:
             raise UserError(f"{path}: vocabulary {model.config.vocab_size} is smaller than the corpus's "
                             f"{corpus.vocab_size}; was it trained on {args.data}?")
-        reports[name] = continuity_of_checkpoint(model, tokens, corpus.vocab_size, cfg, loops=args.loops,
-                                                 output=args.output, progress=not args.quiet)
-    table = to_markdown(reports)
+        reports[name] = continuity.continuity_of_checkpoint(model, tokens, corpus.vocab_size, cfg,
+                                                            loops=args.loops, output=args.output,
+                                                            progress=not args.quiet)
+    table = continuity.to_markdown(reports)
     print(table, end="")
     os.makedirs(args.out, exist_ok=True)
-    write_text(table, os.path.join(args.out, "continuity.md"))
-    write_json(reports, os.path.join(args.out, "continuity.json"),
-               extra={"checkpoints": dict(zip(reports, args.checkpoints)), "data": args.data, "split": args.split,
-                      "output": args.output, "loops": args.loops, "seed": args.seed})
-    plot(reports, os.path.join(args.out, "continuity.png"))
+    continuity.write_text(table, os.path.join(args.out, "continuity.md"))
+    continuity.write_json(reports, os.path.join(args.out, "continuity.json"),
+                          extra={"checkpoints": dict(zip(reports, args.checkpoints)), "data": args.data,
+                                 "split": args.split, "output": args.output, "loops": args.loops, "seed": args.seed})
+    continuity.plot(reports, os.path.join(args.out, "continuity.png"))
     print(f"wrote {os.path.join(args.out, 'continuity.md')}, continuity.json, continuity.png")
     return 0
 
 
 def _dynamics(args) -> int:
-    from loopformer.analysis.dynamics import analyze_dynamics
-
     if args.max_loops < 0 or args.max_loops > 4096:
         raise UserError(f"max_loops must be between 0 and 4096 (got {args.max_loops})")
     out = args.out or os.path.join(args.path, "dynamics")

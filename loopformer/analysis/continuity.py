@@ -42,7 +42,6 @@ Shapes: B samples, T window length, D width, V vocabulary, R loops.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -52,6 +51,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from loopformer import fileio
 from loopformer.errors import UserError
 from loopformer.text.corpus import perturb_tokens  # noqa: F401  (the perturbed corpus lives with the corpora)
 
@@ -515,33 +515,17 @@ def plot(reports: dict[str, ContinuityReport], path: str | os.PathLike) -> None:
     axes[0].set_ylabel("‖Δf‖ / ‖ΔX‖  (solid: mean, dotted: max)")
     axes[0].legend(fontsize=8, title="dashed: substitution; dotted line: ‖J‖₂", title_fontsize=7)
     fig.tight_layout()
-    _savefig(fig, path)
+    fileio.write_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
-def _savefig(fig, path: str | os.PathLike) -> None:
-    path = os.fspath(path)
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
-
-
 def write_json(reports: dict[str, ContinuityReport], path: str | os.PathLike, extra: Optional[dict] = None) -> None:
-    path = os.fspath(path)
     data = {"models": {n: r.to_dict() for n, r in reports.items()}, **(extra or {})}
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=lambda o: o if not isinstance(o, float) or math.isfinite(o) else None)
-        f.write("\n")
-    os.replace(tmp, path)
+    fileio.write_json(path, data, default=lambda o: o if not isinstance(o, float) or math.isfinite(o) else None)
 
 
 def write_text(text: str, path: str | os.PathLike) -> None:
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    fileio.write_text(path, text)
 
 
 def continuity_of_checkpoint(model, tokens: np.ndarray, vocab_size: int, cfg: ContinuityConfig,

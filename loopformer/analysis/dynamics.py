@@ -15,7 +15,6 @@ The measurements themselves are `loopformer.model.diagnostics`.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from loopformer.errors import UserError
+from loopformer.fileio import pick_device, write_figure, write_json, write_text
 from loopformer.model.diagnostics import PARAM_GROUPS, loop_dynamics, modulation_stats, summarize_settle
 
 MOD_KEYS = ("gate_attn", "gate_mlp", "alpha_attn", "alpha_mlp")
@@ -139,7 +139,7 @@ def plot_loops(res: dict[str, Any], trained: int, path: str | os.PathLike, title
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -176,7 +176,7 @@ def plot_training(curves: dict[str, list], path: str | os.PathLike, title: str =
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -188,7 +188,6 @@ def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 50
     from loopformer.model.io import load, read_config
     from loopformer.train.config import TaskConfig
     from loopformer.train.data import make_data
-    from loopformer.train.distributed import pick_device
     from loopformer.train.trainer import read_metrics
 
     p = Path(path)
@@ -225,17 +224,12 @@ def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 50
     os.makedirs(out, exist_ok=True)
     name = run_dir.name if run_dir is not None else p.name
     table = to_markdown(res, trained)
-    _write(Path(out) / "dynamics.md", f"# Dynamics of {name} ({model.config.variant}, trained r = {trained})\n\n"
+    write_text(Path(out) / "dynamics.md", f"# Dynamics of {name} ({model.config.variant}, trained r = {trained})\n\n"
            + table)
-    _write(Path(out) / "dynamics.json", json.dumps(report, indent=2) + "\n")
+    write_json(Path(out) / "dynamics.json", report)
     plot_loops(res, trained, Path(out) / "dynamics_loops.png", title=name)
     if curves["step"]:
         plot_training(curves, Path(out) / "dynamics_train.png", title=name)
     report["table"] = table
     return report
 
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -25,14 +25,18 @@ import json
 import math
 import multiprocessing as mp
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from loopformer.checksums import verify_file
 from loopformer.errors import UserError
+from loopformer.fileio import new_folder
+from loopformer.fileio import read_manifest as read_json_manifest
+from loopformer.tasks import IGNORE, get_task
+from loopformer.tasks.common import split_id
+from loopformer.version import __version__
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "test")
@@ -64,8 +68,6 @@ def _sha256(path: str) -> str:
 
 # --------------------------------------------------------------------------------------------------- generation
 def chunk_seed(seed: int, split: str, k: int) -> int:
-    from loopformer.tasks.common import split_id
-
     return int(np.random.SeedSequence([int(seed), split_id(split), int(k)]).generate_state(1, np.uint32)[0])
 
 
@@ -76,8 +78,6 @@ def default_chunk_size(task) -> int:
 
 def _gen_chunk(args):
     name, options, chunk, seed, split, k = args
-    from loopformer.tasks import get_task
-
     task = get_task(name, **options)
     return task.generate(chunk, chunk_seed(seed, split, k), split)
 
@@ -140,11 +140,8 @@ def write_splits(out_dir: str | os.PathLike, task, splits: dict[str, dict[str, n
         raise UserError(f"output path exists and is not a folder: {out_dir}")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise UserError(f"output folder is not empty: {out_dir} (pass --force to replace it)")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
-    try:
-        tok = _token_dtype(task)
+    tok = _token_dtype(task)
+    with new_folder(out_dir) as tmp:
         arrays: dict[str, dict] = {}
         checksums: dict[str, str] = {}
         counts: dict[str, int] = {}
@@ -160,8 +157,6 @@ def write_splits(out_dir: str | os.PathLike, task, splits: dict[str, dict[str, n
                 np.save(os.path.join(tmp, rel), np.ascontiguousarray(value), allow_pickle=False)
                 arrays[split][key] = {"dtype": value.dtype.str, "shape": list(value.shape)}
                 checksums[rel] = _sha256(os.path.join(tmp, rel))
-        from loopformer import __version__
-
         manifest = {
             "format_version": FORMAT_VERSION,
             "task": task.name,
@@ -180,16 +175,6 @@ def write_splits(out_dir: str | os.PathLike, task, splits: dict[str, dict[str, n
         with open(os.path.join(tmp, "manifest.json"), "w") as fh:
             json.dump(manifest, fh, indent=2, sort_keys=True)
             fh.write("\n")
-        if os.path.isdir(out_dir):
-            old = out_dir + ".old-" + os.path.basename(tmp)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -208,8 +193,6 @@ def write_dataset(out_dir: str | os.PathLike, task, n_train: int, n_test: int, s
     chunk = int(chunk_size or default_chunk_size(task))
     if chunk < 1:
         raise UserError(f"chunk_size must be >= 1, got {chunk}")
-    from tqdm.auto import tqdm
-
     task.generate(1, 0, "train")          # compile / load the compiled kernels once before forking workers
     pool = _pool(workers) if workers > 1 else None
     try:
@@ -239,15 +222,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
     if not os.path.isdir(path):
         raise UserError(f"dataset folder not found: {path}")
     mpath = os.path.join(path, "manifest.json")
-    if not os.path.isfile(mpath):
-        raise UserError(f"not a dataset folder (no manifest.json): {path}")
-    try:
-        with open(mpath) as fh:
-            manifest = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"malformed manifest {mpath}: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise UserError(f"malformed manifest {mpath}: expected a JSON object")
+    manifest = read_json_manifest(path, f"not a dataset folder (no manifest.json): {path}")
     for key in ("format_version", "task", "options", "counts", "arrays", "checksums"):
         if key not in manifest:
             raise UserError(f"malformed manifest {mpath}: missing key {key!r}")
@@ -298,9 +273,6 @@ def _check_manifest_fields(m: dict, mpath: str) -> None:
                 bad(f"{field}.dtype", "a numpy dtype")
 
 
-IGNORE_ID = -100
-
-
 def _id_range(fpath: str, targets: bool) -> dict:
     """The smallest and largest token id of an id array (for targets IGNORE excluded), read in blocks of rows."""
     arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
@@ -308,7 +280,7 @@ def _id_range(fpath: str, targets: bool) -> dict:
     step = max(1, (1 << 24) // max(1, arr.itemsize * int(np.prod(arr.shape[1:]) or 1)))
     for i in range(0, len(arr), step):
         block = np.asarray(arr[i:i + step])
-        keep = block != IGNORE_ID if targets else np.ones(block.shape, bool)
+        keep = block != IGNORE if targets else np.ones(block.shape, bool)
         ignored = ignored or not bool(keep.all())
         vals = block[keep]
         if vals.size:
@@ -332,8 +304,6 @@ def open_dataset(path: str | os.PathLike, verify: bool = False, mmap: bool = Tru
     and `targets` lie in the task's vocabulary; training and evaluation open datasets with it.
     Raises UserError with one clear line when the folder, manifest or an array is missing or inconsistent.
     """
-    from loopformer.tasks import get_task
-
     path = os.fspath(path)
     manifest = read_manifest(path)
     try:
@@ -365,7 +335,7 @@ def open_dataset(path: str | os.PathLike, verify: bool = False, mmap: bool = Tru
                 lo, hi = rec["extra"]["min"], rec["extra"]["max"]
                 raise UserError(f"dataset {path}: {rel} holds token ids in [{lo}, {hi}], outside the task's "
                                 f"vocabulary 0..{task.vocab_size - 1}"
-                                + (f" (and {IGNORE_ID} for targets without loss)" if key == "targets" else ""))
+                                + (f" (and {IGNORE} for targets without loss)" if key == "targets" else ""))
             if list(arr.shape) != list(meta.get("shape", [])) or arr.dtype.str != meta.get("dtype"):
                 raise UserError(f"dataset {path}: {rel} has shape {list(arr.shape)} / dtype {arr.dtype.str}, "
                                 f"manifest says {meta.get('shape')} / {meta.get('dtype')}")
@@ -397,45 +367,3 @@ def shard_indices(n: int, rank: int, world_size: int, drop_last: bool = False) -
         total = math.ceil(n / world_size) * world_size if n else 0
         idx = np.arange(total) % max(n, 1)
     return idx[rank::world_size].astype(np.int64)
-
-
-# ------------------------------------------------------------------------------------------------ sudoku import
-def import_sudoku(csv_path: str | os.PathLike, layout: str, out_dir: str | os.PathLike, n_test: int = 1000,
-                  n_train: int | None = None, seed: int = 0, min_difficulty: float | None = None,
-                  overwrite: bool = False) -> dict:
-    """Convert a public Sudoku CSV (see `loopformer.tasks.sudoku.LAYOUTS`) into a dataset folder.
-
-    Rows are validated (a malformed row is a UserError naming its line; nothing is written), optionally filtered
-    by difficulty, de-duplicated by puzzle, shuffled with `seed`, and split into `n_test` test rows and `n_train`
-    (default: all the rest) train rows.
-    """
-    from loopformer.tasks.sudoku import LAYOUTS, SudokuTask, read_sudoku_csv
-
-    if min_difficulty is not None and layout in LAYOUTS and LAYOUTS[layout][3] is None:
-        raise UserError(f"the {layout} layout has no difficulty column; drop --min-difficulty")
-    data = read_sudoku_csv(csv_path, layout)
-    rows_read = int(len(data["line"]))
-    if min_difficulty is not None:
-        keep = data["difficulty"] >= min_difficulty
-        data = {k: v[keep] for k, v in data.items()}
-    p, s, r = data["puzzles"], data["solutions"], data["difficulty"]
-    _, first = np.unique(p, axis=0, return_index=True)
-    first = np.sort(first)
-    order = first[np.random.default_rng(seed).permutation(len(first))]
-    if n_test > len(order):
-        raise UserError(f"{csv_path}: only {len(order)} distinct puzzles, fewer than --test {n_test}")
-    test_idx = order[:n_test]
-    rest = order[n_test:]
-    if n_train is not None:
-        if n_train > len(rest):
-            raise UserError(f"{csv_path}: only {len(rest)} puzzles left for training, fewer than --train {n_train}")
-        rest = rest[:n_train]
-    task = SudokuTask()
-    splits = {}
-    for split, idx in (("train", rest), ("test", test_idx)):
-        batch = SudokuTask.from_digits(p[idx], s[idx], r[idx])
-        batch["line"] = data["line"][idx]
-        splits[split] = batch
-    extra = {"source": f"import:{layout}", "source_file": os.path.basename(os.fspath(csv_path)),
-             "min_difficulty": min_difficulty, "rows_read": rows_read, "rows_kept": int(len(p))}
-    return write_splits(out_dir, task, splits, seed, extra, overwrite)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from loopformer.errors import UserError
+from loopformer.fileio import write_figure, write_text
 
 VARIANT_TITLES = {"standard": "Standard", "looped": "Looped", "tmlt": "w/ Timestep"}
 _TASK_TITLES = {"lcs": "LCS", "edit_distance": "ED", "sudoku": "Sudoku", "countdown": "Countdown", "icl": "ICL",
@@ -214,8 +215,7 @@ def plot_loops(runs: list[dict], path: str | os.PathLike) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
+    path = write_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -252,8 +252,7 @@ def plot_loopwise(runs: list[dict], path: str | os.PathLike) -> Optional[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
+    path = write_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -267,10 +266,7 @@ def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = N
     written = {}
     for name, text in (("table.md", md), ("table.csv", tab), ("runs.csv", runs_csv(runs)),
                        ("by_config.md", configs_table(runs))):
-        tmp = dest / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, dest / name)
-        written[name] = dest / name
+        written[name] = write_text(dest / name, text)
     written["loops.png"] = plot_loops(runs, dest / "loops.png")
     lw = plot_loopwise(runs, dest / "loopwise.png")
     if lw is not None:

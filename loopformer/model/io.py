@@ -22,7 +22,7 @@ import os
 import pickle
 import shutil
 import struct
-import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,8 +32,10 @@ from safetensors.torch import load_model, save_model
 
 from loopformer.configio import from_dict, to_dict
 from loopformer.errors import UserError
+from loopformer.fileio import new_folder
 from loopformer.model.config import ModelConfig
 from loopformer.model.looped import RESERVED_KEYS, LoopedTransformer
+from loopformer.version import __version__
 
 WEIGHTS, CONFIG, STATE = "model.safetensors", "config.json", "training_state.pt"
 
@@ -47,24 +49,6 @@ def unwrap(model: torch.nn.Module) -> LoopedTransformer:
             model = model.module
         else:
             return model  # type: ignore[return-value]
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-
-
-def replace_dir(tmp: Path, dest: Path) -> None:
-    """Move the finished folder `tmp` to `dest`, replacing an existing `dest` with only a rename-sized window
-    (a kill inside it is repaired by `recover_checkpoint`)."""
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        if old.exists():
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
 
 
 def _hidden(dest: Path) -> list[Path]:
@@ -116,8 +100,6 @@ STALE_S = 60.0   # a hidden temporary folder untouched this long belongs to no r
 
 def _stale(folder: Path) -> bool:
     """Whether nothing in `folder` (nor the folder) was modified in the last STALE_S seconds."""
-    import time
-
     try:
         newest = max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.rglob("*")])
     except OSError:
@@ -128,8 +110,8 @@ def _stale(folder: Path) -> bool:
 def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
     """Repair a checkpoint swap cut short, then delete its leftovers.
 
-    If `path` is missing (a kill between the two renames of `replace_dir`) or incomplete, the newest complete
-    hidden folder of the swap is renamed into place. Leftovers are deleted: `.NAME.old-*` folders, and
+    If `path` is missing (a kill between the two renames of `loopformer.fileio.replace_dir`) or incomplete, the
+    newest complete hidden folder of the swap is renamed into place. Leftovers are deleted: `.NAME.old-*` folders, and
     `.NAME.tmp-*` folders untouched for STALE_S seconds (a younger one may be a running writer's; the next
     `save_checkpoint` removes it). Returns `path` if a checkpoint is there afterwards, else None.
     """
@@ -158,23 +140,15 @@ def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Optional[dict] = None,
                     task: Optional[dict] = None, training_state: Optional[dict] = None) -> Path:
     """Write a checkpoint folder atomically; returns its path."""
-    from loopformer import __version__
-
     dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     raw = unwrap(model)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
+    with new_folder(dest) as tmp:
         save_model(raw, str(tmp / WEIGHTS))
         cfg = to_dict(raw.config)
         cfg.update({"run": run or {}, "task": task or {}, "loopformer_version": __version__})
-        _write_json(tmp / CONFIG, cfg)
+        (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=False, default=str) + "\n")
         if training_state is not None:
             torch.save(training_state, tmp / STATE)
-        replace_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for h in _hidden(dest):           # leftovers of earlier swaps cut short (this process writes this checkpoint)
         shutil.rmtree(h, ignore_errors=True)
     return dest
@@ -183,6 +157,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Opt
 def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     """(model config, the rest of config.json) of a checkpoint folder."""
     p = Path(path)
+    if not p.exists():
+        raise UserError(f"checkpoint not found: {p}")
     if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
         raise UserError(f"{p} is not a loopformer checkpoint (needs {CONFIG} and {WEIGHTS})")
     try:

@@ -20,6 +20,7 @@ Public layouts (`read_sudoku_csv`):
     radcliffe  `id,puzzle,solution,clues,difficulty`   '.' blanks (sudoku-3m.csv; the paper keeps difficulty ≥ 3.0)
     extreme    `source,question,answer,rating`          '.' blanks (Sudoku-Extreme)
     kaggle     `quizzes,solutions`                       '0' blanks (the Kaggle 1M set)
+`import_csv` turns such a file into de-duplicated train/test splits (`loopformer data import` writes them).
 """
 
 from __future__ import annotations
@@ -525,7 +526,7 @@ def read_sudoku_csv(path: str | os.PathLike, layout: str, min_difficulty: float 
         raise UserError(f"unknown Sudoku layout {layout!r} (expected one of: {', '.join(LAYOUTS)})")
     header, pcol, scol, rcol, blank = LAYOUTS[layout]
     if min_difficulty is not None and rcol is None:
-        raise UserError(f"the {layout} layout has no difficulty column; drop --min-difficulty")
+        raise UserError(f"the {layout} layout has no difficulty column; leave min_difficulty unset")
     if not os.path.isfile(path):
         raise UserError(f"file not found: {path}")
     puzzles: list[str] = []
@@ -661,3 +662,45 @@ class SudokuTask(TokenTask):
             head += f", difficulty {float(batch['difficulty'][i]):.2f}"
         left, right = render(p).splitlines(), render(s).splitlines()
         return head + "\n" + "\n".join(f"{a}    {b}" for a, b in zip(left, right))
+
+
+# ------------------------------------------------------------------------------------------------------ import
+def import_csv(csv_path: str | os.PathLike, layout: str, n_test: int = 1000, n_train: int | None = None,
+               seed: int = 0, min_difficulty: float | None = None
+               ) -> tuple[SudokuTask, dict[str, dict[str, np.ndarray]], dict]:
+    """A public Sudoku CSV (see `LAYOUTS`) as dataset splits: (task, {"train", "test"} batches, provenance).
+
+    Rows are validated by `read_sudoku_csv` (a malformed row is a UserError naming its line), optionally filtered
+    by difficulty, de-duplicated by puzzle, shuffled with `seed`, and split into `n_test` test rows and `n_train`
+    (default: all the rest) train rows; each batch keeps the file's line numbers. `loopformer.data.write_splits`
+    writes the result as a dataset folder.
+    """
+    if min_difficulty is not None and layout in LAYOUTS and LAYOUTS[layout][3] is None:
+        raise UserError(f"the {layout} layout has no difficulty column; leave min_difficulty unset")
+    data = read_sudoku_csv(csv_path, layout)
+    rows_read = int(len(data["line"]))
+    if min_difficulty is not None:
+        keep = data["difficulty"] >= min_difficulty
+        data = {k: v[keep] for k, v in data.items()}
+    p, s, r = data["puzzles"], data["solutions"], data["difficulty"]
+    _, first = np.unique(p, axis=0, return_index=True)
+    first = np.sort(first)
+    order = first[np.random.default_rng(seed).permutation(len(first))]
+    if n_test > len(order):
+        raise UserError(f"{csv_path}: only {len(order)} distinct puzzles, fewer than the {n_test} test puzzles "
+                        f"asked for")
+    test_idx = order[:n_test]
+    rest = order[n_test:]
+    if n_train is not None:
+        if n_train > len(rest):
+            raise UserError(f"{csv_path}: only {len(rest)} puzzles left for training, fewer than the {n_train} "
+                            f"asked for")
+        rest = rest[:n_train]
+    splits = {}
+    for split, idx in (("train", rest), ("test", test_idx)):
+        batch = SudokuTask.from_digits(p[idx], s[idx], r[idx])
+        batch["line"] = data["line"][idx]
+        splits[split] = batch
+    provenance = {"source": f"import:{layout}", "source_file": os.path.basename(os.fspath(csv_path)),
+                  "min_difficulty": min_difficulty, "rows_read": rows_read, "rows_kept": int(len(p))}
+    return SudokuTask(), splits, provenance

@@ -9,12 +9,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Optional
 
 from loopformer.errors import UserError
+from loopformer.fileio import pick_device, write_json
+from loopformer.model.io import load, read_config
+from loopformer.text.corpus import PrepareOptions, prepare_corpus
+from loopformer.text.dataset import TokenCorpus
+from loopformer.text.generate import SamplingConfig, generate_text
+from loopformer.text.perplexity import estimate_perplexity, perplexity
 
 
 def register(subparsers) -> None:
@@ -86,8 +91,6 @@ def _need_action(parser) -> int:
 
 
 def _prepare(args) -> int:
-    from loopformer.text.corpus import PrepareOptions, prepare_corpus
-
     opts = PrepareOptions(tokenizer=args.tokenizer or "auto", vocab_size=args.vocab_size,
                           val_fraction=args.val_fraction, test_fraction=args.test_fraction,
                           perturb=args.perturb, seed=args.seed)
@@ -95,38 +98,8 @@ def _prepare(args) -> int:
     return 0
 
 
-def default_device(name: Optional[str]) -> str:
-    import torch
-
-    if name and name != "auto":
-        import re
-
-        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
-            raise UserError(f"device must be cpu, cuda, cuda:N, mps or auto (got {name!r})")
-        if name == "mps" and not torch.backends.mps.is_available():
-            raise UserError("device mps: Apple MPS is not available")
-        if name.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError(f"--device {name}: CUDA is not available")
-        return name
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def load_model(path: str, device: str, **overrides):
-    """A checkpoint folder -> model in eval mode (`loopformer.load`)."""
-    import loopformer
-
-    loader = getattr(loopformer, "load", None)
-    if loader is None:
-        from loopformer.model.io import load as loader
-    if not os.path.exists(path):
-        raise UserError(f"checkpoint not found: {path}")
-    return loader(path, device=device, **overrides)
-
-
 def checkpoint_data_dir(path: str) -> Optional[str]:
     """The corpus folder a text checkpoint was trained on (recorded under "task" in its config.json)."""
-    from loopformer.model.io import read_config
-
     _, extra = read_config(path)
     task = extra.get("task") or {}
     d = task.get("data_dir") if isinstance(task, dict) else None
@@ -140,13 +113,10 @@ def _check_vocab(model, corpus) -> None:
 
 
 def _perplexity(args) -> int:
-    from loopformer.text.dataset import TokenCorpus
-    from loopformer.text.perplexity import estimate_perplexity, perplexity
-
-    device = default_device(args.device)
+    device = pick_device(args.device)
     corpus = TokenCorpus(args.data)
     tokens = corpus.tokens(args.split)
-    model = load_model(args.checkpoint, device)
+    model = load(args.checkpoint, device=device)
     _check_vocab(model, corpus)
     T = args.block_size or model.config.max_len
     if T > model.config.max_len and model.config.pos == "learned":
@@ -161,32 +131,21 @@ def _perplexity(args) -> int:
         results["estimate"] = est.to_dict()
         print(f"{args.split} estimate   {est.ppl:.3f}  (nll {est.nll:.4f}; {est.description})")
     if args.json:
-        tmp = args.json + ".tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(results, f, indent=2)
-                f.write("\n")
-            os.replace(tmp, args.json)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_json(args.json, results)
     return 0
 
 
 def _generate(args) -> int:
-    from loopformer.text.dataset import TokenCorpus
-    from loopformer.text.generate import SamplingConfig, generate_text
-
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, loops=args.loops)
-    device = default_device(args.device)
+    device = pick_device(args.device)
     if not os.path.isdir(args.checkpoint):
         raise UserError(f"checkpoint not found: {args.checkpoint}")
     data = args.data or checkpoint_data_dir(args.checkpoint)
     if data is None:
         raise UserError("cannot tell which tokenizer this checkpoint uses; pass --data DIR (its prepared corpus)")
     tokenizer = TokenCorpus(data).tokenizer()
-    model = load_model(args.checkpoint, device)
+    model = load(args.checkpoint, device=device)
     texts = generate_text(model, tokenizer, args.prompt, cfg, use_cache=not args.no_cache)
     for prompt, text in zip(args.prompt, texts):
         if len(args.prompt) > 1:
@@ -195,4 +154,4 @@ def _generate(args) -> int:
     return 0
 
 
-__all__ = ["register", "load_model", "default_device", "checkpoint_data_dir"]
+__all__ = ["register", "checkpoint_data_dir"]

@@ -45,6 +45,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
+from loopformer.fileio import read_manifest as read_json_manifest
+from loopformer.fileio import write_with
+from loopformer.version import __version__
 from loopformer.text.tokenizers import (TOKENIZER_FILE, ByteBPETokenizer, GPT2Tokenizer, Tokenizer, load_tokenizer,
                                         token_dtype)
 
@@ -305,16 +308,12 @@ def perturb_tokens(tokens: np.ndarray, rate: float, vocab_size: int, seed: int,
 
 # ------------------------------------------------------------------------------------------------------- preparation
 def read_manifest(folder: str | os.PathLike) -> dict:
+    """The manifest of a prepared corpus; UserError if it is missing or malformed."""
     path = os.path.join(os.fspath(folder), MANIFEST)
-    if not os.path.isfile(path):
-        raise UserError(f"{folder} is not a prepared corpus (no {MANIFEST}); run `loopformer text prepare` first")
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot read {path}: {exc}") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise UserError(f"{path} has format {m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT!r}")
+    m = read_json_manifest(folder, f"{folder} is not a prepared corpus (no {MANIFEST}); run `loopformer text "
+                                   f"prepare` first", MANIFEST)
+    if m.get("format") != FORMAT:
+        raise UserError(f"{path} has format {m.get('format')!r}, expected {FORMAT!r}")
     _check_fields(m, path)
     return m
 
@@ -496,7 +495,7 @@ def _prepare_into(src: Source, opts: PrepareOptions, tok_kind: str, record: dict
                      "rule": "uniform positions among non-EOT tokens; uniform replacement != original, != EOT"}
                     if opts.perturb > 0 else None),
         "options": record,
-        "loopformer_version": _version(),
+        "loopformer_version": __version__,
     }
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
@@ -506,12 +505,6 @@ def _prepare_into(src: Source, opts: PrepareOptions, tok_kind: str, record: dict
 
 def _split_seed(seed: int, index: int) -> list[int]:
     return [seed, index]
-
-
-def _version() -> str:
-    from loopformer import __version__
-
-    return __version__
 
 
 def _write_split(rows: Iterable[str], n_rows: int, tok: Tokenizer, dtype: np.dtype, path: str, desc: str,
@@ -549,9 +542,7 @@ def _chunks(it: Iterable[str], n: int) -> Iterator[list[str]]:
 
 
 def _write_array(arr: np.ndarray, path: str) -> None:
-    tmp = path + ".tmp"
-    arr.tofile(tmp)
-    os.replace(tmp, path)
+    write_with(path, arr.tofile)
 
 
 def corpus_tokenizer(folder: str | os.PathLike, manifest: Optional[dict] = None) -> Tokenizer:

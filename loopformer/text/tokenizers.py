@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Iterable, Iterator, Protocol, Sequence
 
 from loopformer.errors import UserError
+from loopformer.fileio import write_with
 
 EOT_TEXT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -120,18 +120,7 @@ class ByteBPETokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write `tokenizer.json` atomically."""
-        path = os.fspath(path)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tok-", suffix=".json")
-        os.close(fd)
-        try:
-            self._tok.save(tmp)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_with(path, lambda tmp: self._tok.save(str(tmp)))
 
     def to_json(self) -> str:
         return self._tok.to_str()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 from loopformer.errors import UserError
+from loopformer.fileio import write_json, write_text
 
 
 def _ints(text: str) -> list[int]:
@@ -39,12 +39,8 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"\n{len(rows) - len(failed)}/{len(rows)} cases as expected"
           + ("" if not failed else f"; {len(failed)} FAILED"), file=sys.stderr)
     if args.out:
-        d = os.path.dirname(os.path.abspath(args.out))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(table + "\n")
-        os.replace(tmp, args.out)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        write_text(args.out, table + "\n")
     return 1 if failed else 0
 
 
@@ -75,7 +71,6 @@ def _rate(args: argparse.Namespace) -> int:
 
 
 def _modulus(args: argparse.Namespace) -> int:
-    import json
     import math
 
     from loopformer.theory.moduli import KINDS, estimate_modulus
@@ -120,13 +115,8 @@ def _modulus(args: argparse.Namespace) -> int:
         data = {"target": name, "d": d, "N": args.N, "p": args.p, "lo": lo, "hi": hi, "delta": args.delta,
                 "moduli": {k: {"value": e.value, "evaluations": e.evaluations, "n": e.n, "X": e.X.tolist(),
                                "X_prime": e.Xp.tolist()} for k, e in found.items()}}
-        d_out = os.path.dirname(os.path.abspath(args.out))
-        os.makedirs(d_out, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d_out, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, args.out)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        write_json(args.out, data)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import csv
 import itertools
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Callable, Sequence
 
 import numpy as np
 
+from loopformer.fileio import write_figure, write_with
 from loopformer.theory.bounds import delta_from_loops, duplicate_measure, radii, theorem_bound, trifling_measure
 from loopformer.theory.compose import Composed, composed_network, token_id
 from loopformer.theory.exact import evaluate
@@ -147,13 +147,14 @@ def write_rate(points: list[RatePoint], out_dir: str) -> tuple[str, str]:
     """rate.csv and rate.png (error and bound vs loops, log-log), written atomically."""
     os.makedirs(out_dir, exist_ok=True)
     csv_path, png_path = os.path.join(out_dir, "rate.csv"), os.path.join(out_dir, "rate.png")
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".csv.tmp")
-    with os.fdopen(fd, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(asdict(points[0]).keys()))
-        w.writeheader()
-        for pt in points:
-            w.writerow(asdict(pt))
-    os.replace(tmp, csv_path)
+    def write_csv(tmp) -> None:
+        with open(tmp, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(asdict(points[0]).keys()))
+            w.writeheader()
+            for pt in points:
+                w.writerow(asdict(pt))
+
+    write_with(csv_path, write_csv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -174,9 +175,6 @@ def write_rate(points: list[RatePoint], out_dir: str) -> tuple[str, str]:
     ax.set_title(f"Theorem 3.6, composed construction (N={pt0.N}, d={pt0.d})")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".png.tmp")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120, format="png")
+    write_figure(fig, png_path, dpi=120)
     plt.close(fig)
-    os.replace(tmp, png_path)
     return csv_path, png_path

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from loopformer.errors import UserError
+from loopformer.fileio import pick_device, write_json
 
 
 def _split_items(items: list[str], config_required: bool) -> tuple[str | None, list[str]]:
@@ -65,7 +65,6 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     from loopformer.model.io import load, read_config
     from loopformer.train.config import TaskConfig
     from loopformer.train.data import make_data
-    from loopformer.train.distributed import pick_device
 
     check_eval_args(None, None, batch_size, limit)
     p = Path(path)
@@ -105,12 +104,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
           f"{res['loops']})")
     _print_eval(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"])
     if args.json:
-        tmp = Path(args.json).with_name(f".{Path(args.json).name}.tmp")
-        try:
-            tmp.write_text(json.dumps(res, indent=2) + "\n")
-            tmp.replace(args.json)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_json(args.json, res)
         print(f"wrote {args.json}")
     return 0
 

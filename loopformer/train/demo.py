@@ -22,6 +22,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from loopformer.fileio import write_text
+
 DEMO_CONFIG: dict = {
     "name": "demo",
     "seed": 0,
@@ -56,9 +58,7 @@ def run_demo(out: str | os.PathLike = "demo", quick: bool = False, jobs: int = 2
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = out / "demo.yaml"
-    tmp = out / ".demo.yaml.tmp"
-    tmp.write_text(demo_yaml())
-    os.replace(tmp, config)
+    write_text(config, demo_yaml())
     grid, baseline = (QUICK_GRID, QUICK_BASELINE) if quick else (DEMO_GRID, DEMO_BASELINE)
     overrides = list(QUICK_OVERRIDES) if quick else []
     n_runs = len(baseline and [1]) + len(grid[0][1]) * len(grid[1][1])

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loopformer.errors import UserError
+from loopformer.fileio import pick_device
 
 
 @dataclass
@@ -31,24 +31,6 @@ class Dist:
     @property
     def active(self) -> bool:
         return self.world > 1
-
-
-def pick_device(choice: str, local_rank: int = 0) -> torch.device:
-    """'auto' → CUDA if available, else Apple MPS, else CPU; an explicit choice must be available."""
-    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else ("mps" if has_mps else "cpu")
-    if choice == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("device cuda was asked for but no CUDA device is available")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if choice == "mps":
-        if not has_mps:
-            raise UserError("device mps was asked for but Apple MPS is not available")
-        return torch.device("mps")
-    if choice != "cpu":
-        raise UserError(f"unknown device {choice!r} (auto, cpu, cuda, mps)")
-    return torch.device("cpu")
 
 
 def setup(device_choice: str = "auto") -> Dist:

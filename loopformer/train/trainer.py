@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
+from loopformer.fileio import write_json, write_text
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, load_weights, recover_checkpoint, save_checkpoint, unwrap
 from loopformer.tasks.base import IGNORE
@@ -82,12 +83,6 @@ def package_versions() -> dict[str, str]:
 
 def config_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def nonfinite_key(record: dict) -> Optional[str]:
@@ -170,7 +165,7 @@ class MetricsLog:
             kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= keep_until
                     and not (final_step is not None and keep_until == final_step and r.get("step") == final_step
                              and r.get("split") == "test")]    # the final evaluation is written again
-            _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif self.path.exists():
             self.path.unlink()
         self.fh = open(self.path, "a")
@@ -386,13 +381,13 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
         _set_rng_state(rngs[d.rank] if d.rank < len(rngs) else rngs[0], d.device)
 
     if d.main:
-        _atomic_write(run_dir / CONFIG_FILE, config_yaml(cfg))
+        write_text(run_dir / CONFIG_FILE, config_yaml(cfg))
         info = {"name": cfg.name, "config": to_dict(cfg), "seed": cfg.seed, "git": git_commit(),
                 "versions": package_versions(), "command": sys.argv, "world_size": d.world,
                 "device": str(d.device), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "resumed_from_step": start if resume else None, "total_steps": total,
                 "params": unwrap(model).num_params()}
-        _atomic_write(run_dir / RUN_FILE, json.dumps(info, indent=2, default=str) + "\n")
+        write_json(run_dir / RUN_FILE, info, default=str)
     log = MetricsLog(run_dir, cfg, start if resume else None, d.main, final_step=total)
 
     net: torch.nn.Module = model
@@ -555,6 +550,6 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
             "world_size": d.world, "device": str(d.device), "seed": cfg.seed,
         }
         results = _finite_or_none(json.loads(json.dumps(results, default=float)))   # strict JSON: NaN -> null
-        _atomic_write(run_dir / RESULTS_FILE, json.dumps(results, indent=2, allow_nan=False) + "\n")
+        write_json(run_dir / RESULTS_FILE, results, allow_nan=False)
     log.close()
     return broadcast_object(d, results)

@@ -12,8 +12,12 @@ import json
 import time
 
 import numpy as np
+import yaml
 
+from loopformer.data.dataset import open_dataset, read_manifest, write_dataset, write_splits
 from loopformer.errors import UserError
+from loopformer.tasks import TASKS, get_task
+from loopformer.tasks.sudoku import import_csv
 
 
 def _count(text: str) -> int:
@@ -29,8 +33,6 @@ def _count(text: str) -> int:
 
 def parse_options(pairs: list[str] | None) -> dict:
     """`key=value` strings to a dict; values are read as YAML scalars (60 -> int, 0.5 -> float, null -> None)."""
-    import yaml
-
     out: dict = {}
     for pair in pairs or []:
         if "=" not in pair:
@@ -50,9 +52,6 @@ def parse_options(pairs: list[str] | None) -> dict:
 
 
 def _gen(args) -> int:
-    from loopformer.data import write_dataset
-    from loopformer.tasks import get_task
-
     task = get_task(args.task, **parse_options(args.opt))
     t0 = time.perf_counter()
     manifest = write_dataset(args.out, task, args.train, args.test, seed=args.seed, workers=args.workers,
@@ -66,8 +65,6 @@ def _gen(args) -> int:
 
 
 def _show(args) -> int:
-    from loopformer.data import open_dataset, read_manifest
-
     manifest = read_manifest(args.dir)
     task, splits = open_dataset(args.dir, verify=args.verify)
     if args.split not in splits:
@@ -87,11 +84,10 @@ def _show(args) -> int:
 
 
 def _import(args) -> int:
-    from loopformer.data import import_sudoku
-
     t0 = time.perf_counter()
-    manifest = import_sudoku(args.csv, args.layout, args.out, n_test=args.test, n_train=args.train, seed=args.seed,
-                             min_difficulty=args.min_difficulty, overwrite=args.force)
+    task, splits, provenance = import_csv(args.csv, args.layout, n_test=args.test, n_train=args.train,
+                                          seed=args.seed, min_difficulty=args.min_difficulty)
+    manifest = write_splits(args.out, task, splits, args.seed, provenance, overwrite=args.force)
     print(f"wrote {args.out}: sudoku from {args.layout} file {args.csv} ({manifest['rows_read']} rows read"
           + (f", {manifest['rows_kept']} with difficulty >= {args.min_difficulty}"
              if args.min_difficulty is not None else "")
@@ -101,8 +97,6 @@ def _import(args) -> int:
 
 
 def register(subparsers) -> None:
-    from loopformer.tasks import TASKS
-
     data = subparsers.add_parser("data", help="generate, inspect and import task datasets",
                                  description="Generate, inspect and import datasets of the paper's tasks.")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
