@@ -1,8 +1,7 @@
 """The `loopformer` command.
 
-Sub-commands live next to the code they drive: each module listed in `_COMMAND_MODULES` exposes
-`register(subparsers)`, which adds its sub-parser(s) and sets `func` (called with the parsed args; returns an exit
-code or None). A `UserError` anywhere prints one line and exits with status 2; so do a bad command line and a
+Sub-commands live next to the code they drive: each module in `COMMAND_MODULES` exposes `register(subparsers)`,
+which adds its sub-parser(s) and sets `func` (called with the parsed args; returns an exit code or None). A `UserError` anywhere prints one line and exits with status 2; so do a bad command line and a
 failed file operation (disk full, read-only folder, missing file): `loopformer: error: ...`, never a traceback.
 """
 
@@ -10,18 +9,27 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 import sys
 
+from loopformer.analysis import commands as analysis_commands
+from loopformer.data import commands as data_commands
 from loopformer.errors import UserError
+from loopformer.eval import commands as eval_commands
+from loopformer.experiments import commands as experiments_commands
+from loopformer.model import commands as model_commands
+from loopformer.text import commands as text_commands
+from loopformer.theory import commands as theory_commands
+from loopformer.train import commands as train_commands
 
-_COMMAND_MODULES = [
-    "loopformer.model.commands",    # info, presets, convert
-    "loopformer.data.commands",     # data gen / show / import
-    "loopformer.train.commands",    # train, eval, sweep, report, demo
-    "loopformer.theory.commands",   # theory verify / rate
-    "loopformer.text.commands",     # text prepare, generate, perplexity
-    "loopformer.analysis.commands",  # analyze continuity
+COMMAND_MODULES = [
+    model_commands,        # presets, convert, info
+    data_commands,         # data gen / show / import
+    train_commands,        # train
+    eval_commands,         # eval
+    experiments_commands,  # sweep, report, demo
+    theory_commands,       # theory verify / rate / modulus
+    text_commands,         # text prepare, perplexity, generate
+    analysis_commands,     # analyze continuity / dynamics
 ]
 
 
@@ -44,13 +52,7 @@ def os_error_line(exc: OSError) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="loopformer", description="Looped transformers with timestep encoding.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # that part of the package is not there: skip it
-                continue
-            raise
+    for mod in COMMAND_MODULES:
         mod.register(sub)
     return parser
 

@@ -70,7 +70,7 @@ def test_paper_recipes():
 
 
 def test_demo_config_file_is_the_demo():
-    from loopformer.train.demo import DEMO_CONFIG
+    from loopformer.experiments.demo import DEMO_CONFIG
 
     shipped = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "cpu" / "demo.yaml"))
     assert shipped == DEMO_CONFIG

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from loopformer.cli import main
-from loopformer.eval.report import find_runs
-from loopformer.train.demo import DEMO_BASELINE, DEMO_GRID
+from loopformer.experiments.demo import DEMO_BASELINE, DEMO_GRID
+from loopformer.experiments.report import find_runs
 
 
 def test_demo_grid_covers_the_table():

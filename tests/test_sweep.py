@@ -12,8 +12,8 @@ import pytest
 
 from loopformer.cli import main
 from loopformer.errors import UserError
-from loopformer.eval.report import find_runs, table, write_report
-from loopformer.eval.sweep import expand, parse_grid, run_name, run_sweep
+from loopformer.experiments.report import find_runs, table, write_report
+from loopformer.experiments.sweep import expand, parse_grid, run_name, run_sweep
 
 from test_train import TINY
 
@@ -115,7 +115,7 @@ def test_parallel_sweep_cli(tmp_path):
 
 
 def test_configs_table_groups_seeds_by_configuration():
-    from loopformer.eval.report import config_key, configs_table
+    from loopformer.experiments.report import config_key, configs_table
 
     def run(name, seed, acc, last):
         return {"_dir": f"/s/runs/{name}", "seed": seed, "metric": "accuracy", "variant": "tmlt", "loops": 4,

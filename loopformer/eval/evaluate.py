@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
-from loopformer.tasks.base import IGNORE
+from loopformer.model.io import unwrap
 
 MAX_LOOPS = 1024   # the most loops an evaluation runs (loops, max_loops), or twice the trained r if that is more
 
@@ -57,8 +57,6 @@ def evaluate(model: torch.nn.Module, data: Any, *, loops: Optional[int] = None, 
     Returns {"loops": r, "max_loops": R, "metric": name, "metrics": {...at r}, "loopwise": [{"loop": t, ...}]}.
     `loops` and `max_loops` are at most MAX_LOOPS; max_loops 0 / None means the default.
     """
-    from loopformer.model.io import unwrap
-
     raw = unwrap(model)
     cfg = raw.config
     check_eval_args(loops or None, max_loops or None, batch_size, limit, trained=cfg.loops)
@@ -160,4 +158,15 @@ def headline(result: dict[str, Any]) -> float:
     return float(result["metrics"][result["metric"]])
 
 
-__all__ = ["evaluate", "headline", "IGNORE"]
+def format_results(metric: str, metrics: dict, loopwise: list[dict], trained: int) -> str:
+    """The test metrics on one line, then the headline metric after every loop with the trained r marked."""
+    lines = ["test: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))]
+    if loopwise:
+        lines += [f"loop-wise {metric} (trained r = {trained}):", "  loop  " + metric]
+        for p in loopwise:
+            mark = "  <- trained r" if p["loop"] == trained else ""
+            lines.append(f"  {p['loop']:>4}  {p[metric]:.4f}{mark}")
+    return "\n".join(lines)
+
+
+__all__ = ["evaluate", "headline", "format_results", "check_eval_args", "MAX_LOOPS"]

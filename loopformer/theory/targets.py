@@ -9,22 +9,20 @@ Shapes: B batch, d token dimension, N sequence length, D model width.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from loopformer.errors import UserError
+from loopformer.model.io import load
+from loopformer.model.maps import LoopedEmbeddingMap
 from loopformer.theory.rate import default_target
 
 
 def _xp(X):
-    try:
-        import torch
-        if isinstance(X, torch.Tensor):
-            return torch
-    except ImportError:  # pragma: no cover
-        pass
-    return np
+    return torch if isinstance(X, torch.Tensor) else np
 
 
 def identity_target(X):
@@ -86,13 +84,6 @@ def checkpoint_target(path: str, N: int, loops: Optional[int] = None, device: st
     """A trained checkpoint as a target: X [B, D, N] input embeddings (the read-in's output) → the residual stream
     after the last loop [B, D, N], in float64.  Returns (f, d = D, lo, hi) with [lo, hi] the range of the model's
     token + position embeddings at positions 0..N−1 (the box the estimators search)."""
-    import os
-
-    import torch
-
-    from loopformer.analysis.continuity import LoopedEmbeddingMap
-    from loopformer.model.io import load
-
     if not os.path.isdir(path):
         raise UserError(f"checkpoint not found: {path}")
     model = load(path, device=device).double()

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from loopformer.experiments.report import write_report
+from loopformer.experiments.sweep import run_sweep
 from loopformer.fileio import write_text
 
 DEMO_CONFIG: dict = {
@@ -52,9 +54,6 @@ def demo_yaml() -> str:
 def run_demo(out: str | os.PathLike = "demo", quick: bool = False, jobs: int = 2, threads: int = 1,
              progress: bool = True) -> dict:
     """Run (or complete) the demo sweep into `out`, print the table, write the plots; returns the report."""
-    from loopformer.eval.report import write_report
-    from loopformer.eval.sweep import run_sweep
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = out / "demo.yaml"

@@ -6,8 +6,8 @@
 Each run lives in `OUT/runs/<name>` (name from its overrides, e.g. `loops=4_timestep=true`), is skipped when it
 has finished (`results.json`) and resumed from its checkpoint when it was interrupted, so re-running a sweep
 completes it. With `jobs > 1` runs go to parallel worker processes (each with `threads` CPU threads) under one
-progress bar weighted by compute (steps × loops × layers); afterwards `loopformer.eval.report` writes the table
-and plots.
+progress bar weighted by compute (steps × loops × layers); afterwards `loopformer.experiments.report` writes the
+table and plots.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
+from loopformer.train.config import load_run_config
+from loopformer.train.data import steps_for
+from loopformer.train.trainer import load_for_resume, read_metrics, resumable, train
 
 RUNS = "runs"
 
@@ -83,9 +86,6 @@ def expand(grid: list[tuple[str, list[str]]], baseline: list[str], out: Path) ->
 
 def _prepare(config: Optional[str], specs: list[RunSpec], overrides: list[str]) -> None:
     """Check every run's config (a bad one fails before anything runs) and estimate its cost."""
-    from loopformer.train.config import load_run_config
-    from loopformer.train.data import steps_for
-
     for s in specs:
         cfg = load_run_config(config, [*overrides, *s.overrides, f"out_dir={s.out_dir}", f"name={s.name}"])
         n_train = cfg.task.n_train if cfg.task.name not in ("icl", "text") else None
@@ -99,8 +99,6 @@ def _done(spec: RunSpec) -> bool:
 
 def _progress_of(spec: RunSpec) -> int:
     """Steps finished so far by a running (or finished) run, from its metrics log."""
-    from loopformer.train.trainer import read_metrics
-
     if _done(spec):
         return spec.steps
     steps = [r.get("step", 0) for r in read_metrics(spec.out_dir) if r.get("split") == "train"]
@@ -108,8 +106,6 @@ def _progress_of(spec: RunSpec) -> int:
 
 
 def _command(config: Optional[str], spec: RunSpec, overrides: list[str], threads: int) -> list[str]:
-    from loopformer.train.trainer import resumable
-
     cmd = [sys.executable, "-m", "loopformer.cli", "train"]
     extra = [f"threads={threads}"] if threads else []
     if resumable(spec.out_dir):
@@ -121,9 +117,6 @@ def _command(config: Optional[str], spec: RunSpec, overrides: list[str], threads
 
 def _run_inprocess(config: Optional[str], spec: RunSpec, overrides: list[str], threads: int,
                    progress: bool) -> None:
-    from loopformer.train.config import load_run_config
-    from loopformer.train.trainer import load_for_resume, resumable, train
-
     resume = resumable(spec.out_dir)
     if resume:
         cfg = load_for_resume(spec.out_dir, [f"threads={threads}"] if threads else [])

@@ -1,0 +1,76 @@
+"""The `loopformer eval` command: a checkpoint's test metrics and its metric after every loop (paper Table 2)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loopformer.configio import from_dict
+from loopformer.errors import UserError
+from loopformer.eval.evaluate import MAX_LOOPS, check_eval_args, evaluate, format_results
+from loopformer.fileio import pick_device, write_json
+from loopformer.model.io import load, read_config
+from loopformer.train.config import TaskConfig
+from loopformer.train.data import make_data
+
+
+def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | None = None, device: str = "auto",
+                        limit: int = 0, batch_size: int = 256, loopwise: bool = True) -> dict:
+    """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise)."""
+    check_eval_args(None, None, batch_size, limit)
+    p = Path(path)
+    if (p / "checkpoint" / "config.json").is_file():
+        p = p / "checkpoint"
+    model_cfg, extra = read_config(p)
+    check_eval_args(loops, max_loops, batch_size, limit, trained=model_cfg.loops)
+    run = extra.get("run") or {}
+    if not run.get("task"):
+        raise UserError(f"{p} records no task (it was not written by `loopformer train`)")
+    task_cfg = from_dict(TaskConfig, run["task"])
+    dev = pick_device(device)
+    model = load(p, device=dev)
+    data = make_data(task_cfg)
+    r = loops or model.config.loops
+    cap = max(MAX_LOOPS, 2 * model.config.loops)
+    res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, cap) if loopwise else 0),
+                   batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=True)
+    res["checkpoint"] = str(p)
+    res["trained_loops"] = model.config.loops
+    return res
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    check_eval_args(None, None, args.batch_size, args.n)
+    if args.json:   # checked before the evaluation runs
+        parent = Path(args.json).resolve().parent
+        if not parent.is_dir():
+            raise UserError(f"--json {args.json}: folder {parent} does not exist")
+        if Path(args.json).is_dir():
+            raise UserError(f"--json {args.json} is a folder")
+    res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device or "auto", args.n,
+                              args.batch_size, loopwise=not args.no_loopwise)
+    print(f"checkpoint: {res['checkpoint']} (trained with r = {res['trained_loops']}; evaluated at r = "
+          f"{res['loops']})")
+    print(format_results(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"]))
+    if args.json:
+        write_json(args.json, res)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="evaluate a checkpoint, loop by loop",
+                              description="Test metrics of a checkpoint and the metric after each loop t = 1..R.")
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder or a run folder")
+    p.add_argument("--loops", type=int, help="loops to run (default: the trained r)")
+    p.add_argument("--max-loops", type=int, help="loop-wise curve up to this many loops (default: 2 × loops; "
+                                                 "at most 1024)")
+    p.add_argument("--no-loopwise", action="store_true", help="only the metrics at --loops")
+    p.add_argument("--n", type=int, default=0, help="only the first N test rows")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    p.set_defaults(func=cmd_eval)
+
+
+__all__ = ["register", "evaluate_checkpoint"]
