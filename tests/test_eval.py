@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from loopformer.cli import main
 from loopformer.eval.evaluate import evaluate
 from loopformer.model import LoopedTransformer
+from loopformer.sources import make_data
 from loopformer.train.config import load_run_config
-from loopformer.train.data import make_data
 
 from test_train import TINY
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from loopformer.cli import main
 from loopformer.errors import UserError
 from loopformer.model import LoopedTransformer
+from loopformer.sources import TokenData, stream_indices
 from loopformer.train.config import TrainConfig, load_run_config
-from loopformer.train.data import TokenData, stream_indices
 from loopformer.train.optim import loops_at, lr_at, summed_loss
 from loopformer.train.trainer import read_metrics, read_results, train
 
@@ -157,7 +157,7 @@ def test_icl_curriculum_and_training(tmp_path):
         "model.d_model=16", "model.n_heads=2", "model.loops=2", "train.steps=5", "train.batch_size=4",
         "train.loss_loops=all", "log.progress=false", "log.tensorboard=false", f"out_dir={tmp_path / 'icl'}"])
     assert cfg.model.input_dim == 5 and cfg.model.head == "regression" and cfg.model.max_len == 10
-    from loopformer.train.data import make_data
+    from loopformer.sources import make_data
 
     data = make_data(cfg.task)
     for step, (dims, points) in [(0, (2, 3)), (2, (3, 4)), (5, (4, 5))]:
@@ -234,7 +234,7 @@ def test_cli_train_and_resume_extends(tmp_path, capsys):
 
 def test_language_model_training_on_a_token_folder(tmp_path):
     from loopformer.text.corpus import PrepareOptions, prepare_corpus
-    from loopformer.train.data import TextData
+    from loopformer.sources import TextData
 
     rng = np.random.default_rng(0)
     (tmp_path / "t.txt").write_text("\n".join(" ".join(rng.choice(["to", "be", "or", "not"], 10)) for _ in range(200)))

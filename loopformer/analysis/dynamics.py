@@ -22,28 +22,29 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from loopformer.configio import from_dict
 from loopformer.errors import UserError
+from loopformer.eval.evaluate import evaluate
 from loopformer.fileio import pick_device, write_figure, write_json, write_text
 from loopformer.model.diagnostics import PARAM_GROUPS, loop_dynamics, modulation_stats, summarize_settle
+from loopformer.model.io import load, read_config
+from loopformer.sources import DataSource, TaskConfig, make_data
+from loopformer.tasks import IGNORE
+from loopformer.train.trainer import read_metrics
 
 MOD_KEYS = ("gate_attn", "gate_mlp", "alpha_attn", "alpha_mlp")
 
 
-def dynamics_of(model: torch.nn.Module, data: Any, *, loops: int, batch_size: int = 256, limit: int = 0,
+def dynamics_of(model: torch.nn.Module, data: DataSource, *, loops: int, batch_size: int = 256, limit: int = 0,
                 device: Optional[torch.device] = None) -> dict[str, Any]:
     """Per-loop dynamics of `model` on `data`'s test split (the first `limit` rows; 0: all), t = 1..loops."""
-    from loopformer.tasks.base import IGNORE
-
     device = device or next(model.parameters()).device
     sums: dict[str, np.ndarray] = {}
     weights: dict[str, float] = {}
     settle: list[int] = []
     for batch in data.test_batches(batch_size, limit):
-        kind_float = data.kind == "vector"
-        x = torch.as_tensor(np.asarray(batch["inputs"], dtype=np.float32 if kind_float else np.int64), device=device)
-        y = torch.as_tensor(np.asarray(batch["targets"], dtype=np.float32 if kind_float else np.int64),
-                            device=device)
-        w = torch.as_tensor(batch["weight"], device=device) if "weight" in batch else None
+        b = data.as_tensors(batch, device)
+        x, y, w = b["inputs"], b["targets"], b.get("weight")
         res = loop_dynamics(model, x, y, loops=loops, weight=w, ignore_index=IGNORE)
         n = x.shape[0]
         for k in ("update", "loss", "token_accuracy"):
@@ -183,13 +184,6 @@ def plot_training(curves: dict[str, list], path: str | os.PathLike, title: str =
 def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 500, batch_size: int = 250,
                      device: str = "auto") -> dict[str, Any]:
     """The `analyze dynamics` command's work: measure, then write json / md / png into `out`."""
-    from loopformer.configio import from_dict
-    from loopformer.eval.evaluate import evaluate
-    from loopformer.model.io import load, read_config
-    from loopformer.train.config import TaskConfig
-    from loopformer.train.data import make_data
-    from loopformer.train.trainer import read_metrics
-
     p = Path(path)
     if not p.exists():
         raise UserError(f"not found: {p}")

@@ -10,8 +10,7 @@ from loopformer.errors import UserError
 from loopformer.eval.evaluate import MAX_LOOPS, check_eval_args, evaluate, format_results
 from loopformer.fileio import pick_device, write_json
 from loopformer.model.io import load, read_config
-from loopformer.train.config import TaskConfig
-from loopformer.train.data import make_data
+from loopformer.sources import TaskConfig, make_data
 
 
 def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | None = None, device: str = "auto",

@@ -24,8 +24,9 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
+from loopformer.sources import source_class
 from loopformer.train.config import load_run_config
-from loopformer.train.data import steps_for
+from loopformer.train.optim import steps_for
 from loopformer.train.trainer import load_for_resume, read_metrics, resumable, train
 
 RUNS = "runs"
@@ -88,7 +89,7 @@ def _prepare(config: Optional[str], specs: list[RunSpec], overrides: list[str]) 
     """Check every run's config (a bad one fails before anything runs) and estimate its cost."""
     for s in specs:
         cfg = load_run_config(config, [*overrides, *s.overrides, f"out_dir={s.out_dir}", f"name={s.name}"])
-        n_train = cfg.task.n_train if cfg.task.name not in ("icl", "text") else None
+        n_train = source_class(cfg.task).epoch_rows(cfg.task)
         s.steps = steps_for(cfg.train.steps, cfg.train.epochs, n_train, cfg.train.batch_size)
         s.cost = float(s.steps * cfg.model.loops * cfg.model.n_layers)
 

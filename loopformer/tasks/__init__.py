@@ -14,6 +14,10 @@ Token tasks follow the contract in `loopformer.tasks.base` and are built by name
     countdown      n1 n2 n3 n4 target a op b = c ×3 .   (causal; held-out targets for the test split)
 
 In-context learning (real-valued prompts sampled on the fly) lives in `loopformer.tasks.icl`.
+
+A new token task is a module here holding a dataclass subclass of `TokenTask` (its init fields are its options)
+and its entry in `TASKS`; generation, data folders, training, evaluation, sweeps and the `data` command then serve
+it through `loopformer.sources` without further changes.
 """
 
 from __future__ import annotations

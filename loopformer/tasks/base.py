@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from loopformer.errors import UserError
+
 IGNORE = -100
 
 
@@ -38,8 +40,6 @@ class Vocab:
         return len(self.tokens)
 
     def encode(self, toks: list[str]) -> list[int]:
-        from loopformer.errors import UserError
-
         try:
             return [self.index[t] for t in toks]
         except KeyError as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from loopformer.configio import _one_line, load_config, user_layers
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
+from loopformer.sources import TaskConfig, model_fields
 
 LOSS_LOOPS = ("last", "all", "window")
 SCHEDULES = ("linear", "cosine", "constant", "onecycle")
@@ -31,33 +32,6 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
-
-
-@dataclass
-class TaskConfig:
-    """Which data to train on. Either `data_dir` (a folder written by `loopformer data gen` / `text prepare`) or
-    the task generated in memory from `name`, `options`, `n_train`, `n_test` and `seed`."""
-
-    name: str = "lcs"                 # edit_distance | lcs | sudoku | countdown | icl | text
-    options: dict[str, Any] = field(default_factory=dict)   # generator options, e.g. {length: 60}
-    data_dir: Optional[str] = None
-    n_train: int = 10000
-    n_test: int = 1000
-    seed: int = 0                     # data seed (independent of the model seed)
-    answer_only: bool = False         # causal pair tasks read by a bidirectional model: hide the answer tokens
-                                      # from the input and supervise only the answer position
-    block_size: int = 256             # text: tokens per training window
-    eval_windows: int = 64            # text: validation windows per evaluation
-    points: int = 41                  # icl: in-context examples per prompt (without a curriculum)
-    curriculum: dict[str, Any] = field(default_factory=dict)  # icl: the dims / points curriculum fields
-
-    def __post_init__(self) -> None:
-        _need(bool(self.name), "task.name must be set")
-        _need(self.n_train >= 1 and self.n_test >= 1, "task.n_train and task.n_test must be >= 1")
-        _need(0 <= self.seed < 2 ** 63, f"task.seed must be in [0, 2^63) (got {self.seed})")
-        _need(self.block_size >= 2, "task.block_size must be >= 2")
-        _need(self.eval_windows >= 1, "task.eval_windows must be >= 1")
-        _need(self.points >= 1, "task.points must be >= 1")
 
 
 @dataclass
@@ -171,11 +145,9 @@ def load_run_config(path: Optional[str | os.PathLike] = None, overrides: Iterabl
                     base: Optional[dict] = None) -> RunConfig:
     """Load a run config: defaults < `base` < what the task fixes < YAML at `path` < dotted `overrides`.
 
-    The task section is read first, the task is built (see `loopformer.train.data.model_fields`), and the model
+    The task section is read first, the task is built (see `loopformer.sources.model_fields`), and the model
     fields it fixes are merged in below the YAML, so the YAML may still override e.g. `model.max_len`.
     """
-    from loopformer.train.data import model_fields
-
     overrides = list(overrides)
     raw = _raw_layers(path, overrides)
     for layer in (base or {}, raw):

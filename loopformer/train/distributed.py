@@ -2,7 +2,7 @@
 
 A plain `python` launch is a world of one process and every helper is a no-op there. Under
 `torchrun --nproc_per_node=N`, `RANK`, `WORLD_SIZE` and `LOCAL_RANK` are set; each process takes its slice of
-every global batch (see `loopformer.train.data`) and only rank 0 logs and writes files.
+every global batch (see `loopformer.sources`) and only rank 0 logs and writes files.
 """
 
 from __future__ import annotations

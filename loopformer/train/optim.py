@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from loopformer.errors import UserError
 from loopformer.model.diagnostics import is_timestep_param
 from loopformer.tasks.base import IGNORE
 from loopformer.train.config import TrainConfig
@@ -50,6 +51,15 @@ def loops_at(cfg: TrainConfig, step: int, final: int) -> int:
     if cfg.loops_start <= 0:
         return final
     return min(final, cfg.loops_start + (step // cfg.loops_every) * cfg.loops_increment)
+
+
+def steps_for(cfg_steps: int, epochs: float, n_train: Optional[int], batch_size: int) -> int:
+    """Optimiser steps: `steps` if set, else `epochs` passes over n_train rows."""
+    if cfg_steps:
+        return cfg_steps
+    if n_train is None:
+        raise UserError("this task samples data on the fly: set train.steps instead of train.epochs")
+    return max(1, math.ceil(epochs * n_train / batch_size))
 
 
 def loss_loops(cfg: TrainConfig, loops: int) -> Optional[int]:

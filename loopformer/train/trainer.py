@@ -4,7 +4,7 @@ Recipe (paper App. C.1.3 / C.2 / C.3, set by the run config): AdamW, warm-up the
 clipping and accumulation, the loss on the last loop, on every loop or on a window of the last loops, optional
 loop / in-context curricula, periodic evaluation with a checkpoint each time, and a final loop-wise evaluation.
 
-Exact resumption: the global batch of step s is a pure function of (data seed, s) (see `loopformer.train.data`),
+Exact resumption: the global batch of step s is a pure function of (data seed, s) (see `loopformer.sources`),
 the learning rate a pure function of s, and the checkpoint holds the weights, the optimiser state, every
 process's RNG state and s — so `--resume` after a crash continues exactly where the last checkpoint left off, and
 the metrics log is cut back to that step.
@@ -40,15 +40,16 @@ from tqdm.auto import tqdm
 
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
+from loopformer.eval.evaluate import evaluate
 from loopformer.fileio import write_json, write_text
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, load_weights, recover_checkpoint, save_checkpoint, unwrap
 from loopformer.tasks.base import IGNORE
 from loopformer.model.looped import LoopedTransformer
+from loopformer.sources import DataSource, make_data
 from loopformer.train.config import RunConfig, load_run_config
-from loopformer.train.data import DataSource, make_data, steps_for
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
-from loopformer.train.optim import loops_at, loss_loops, lr_at, make_optimizer, summed_loss
+from loopformer.train.optim import loops_at, loss_loops, lr_at, make_optimizer, steps_for, summed_loss
 
 CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR = (
     "config.yaml", "run.json", "metrics.jsonl", "results.json", "checkpoint")
@@ -413,7 +414,7 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
         acc_count, acc_tokens = w[2], w[3]
     window_t0 = time.perf_counter()
     last_eval = None
-    classifies = data.kind in ("tokens", "text")
+    classifies = data.classifies
     dyn_every = (cfg.log.dynamics_every or tc.log_every) if cfg.log.dynamics else 0
     dyn_grads: dict[str, float] = {}
 
@@ -439,8 +440,6 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
         barrier(d)
 
     def evaluation(step: int, final: bool) -> Optional[dict]:
-        from loopformer.eval.evaluate import evaluate
-
         res = None
         check_finite(step)
         if d.main:
@@ -462,7 +461,7 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
         keys = data.plan(step, B)                                # [B] global batch
         mine = np.array_split(keys, d.world)[d.rank]
         fetched = [data.fetch(k, step) for k in np.array_split(mine, tc.grad_accum)]
-        counts = [int((m["targets"] != -100).sum()) if not m["targets"].dtype.is_floating_point
+        counts = [int((m["targets"] != IGNORE).sum()) if not m["targets"].dtype.is_floating_point
                   else int(m["weight"].sum()) for m in fetched]          # counted on the host, before the copy
         micro = [_to(m, d.device) for m in fetched]
         global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
@@ -483,7 +482,7 @@ def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
             with torch.no_grad():
                 acc_loss += s.detach().to(acc_dtype) / k
                 if classifies:
-                    mask = mb["targets"] != -100
+                    mask = mb["targets"] != IGNORE
                     acc_correct += ((out.logits.argmax(-1) == mb["targets"]) & mask).sum().to(acc_dtype)
                 acc_count += counts[i]
                 acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]

@@ -1,0 +1,48 @@
+"""Data sources: every kind of task the trainer and the evaluation run, behind one interface
+(`loopformer.sources.base.DataSource`), chosen by `task.name` through one registry:
+
+    TokenData   token tasks, `loopformer.tasks.TASKS` (edit distance, LCS, Sudoku, Countdown; Sec. 5.1.1)
+    VectorData  in-context learning, real-valued prompts sampled on the fly (Sec. 5.1.2, App. C.2)
+    TextData    language modelling on a prepared token corpus (App. C.3)
+
+Training, evaluation and sweeps ask the source (`source_class(cfg)`, `make_data(cfg)`, `model_fields(cfg)`)
+instead of looking at task names. A new token task is a `TokenTask` registered in `loopformer.tasks.TASKS`; a new
+kind of data is a `DataSource` subclass added to `SOURCES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loopformer.errors import UserError
+from loopformer.sources.base import DataSource, TaskConfig, stream_indices
+from loopformer.sources.text import TextData
+from loopformer.sources.tokens import TokenData, hide_answers
+from loopformer.sources.vectors import VectorData
+
+SOURCES: tuple[type[DataSource], ...] = (TokenData, VectorData, TextData)
+
+
+def source_class(cfg: TaskConfig) -> type[DataSource]:
+    """The kind of data source that serves `cfg` (a data folder of a token task whatever its `name`)."""
+    for cls in SOURCES:
+        if cls.handles(cfg.name):
+            return cls
+    if cfg.data_dir:
+        return TokenData
+    names = [n for cls in SOURCES for n in cls.choices()]
+    raise UserError(f"unknown task {cfg.name!r} (expected one of: {', '.join(names)})")
+
+
+def make_data(cfg: TaskConfig) -> DataSource:
+    """The data source of a run's task section."""
+    return source_class(cfg)(cfg)
+
+
+def model_fields(cfg: TaskConfig) -> dict[str, Any]:
+    """The ModelConfig fields the task fixes: read-in (vocab_size / input_dim), max_len, causal, read-out."""
+    return source_class(cfg).model_fields(cfg)
+
+
+__all__ = ["SOURCES", "DataSource", "TaskConfig", "TokenData", "VectorData", "TextData", "source_class",
+           "make_data", "model_fields", "hide_answers", "stream_indices"]

@@ -1,0 +1,175 @@
+"""What every data source answers, and the task section of a run config.
+
+A data source is one kind of task (token task, vector task, text corpus) seen by training and evaluation:
+
+    model_fields(cfg)   (class) the ModelConfig fields the task fixes: read-in, max_len, causality, read-out
+    epoch_rows(cfg)     (class) rows per epoch as far as the config tells (None: sampled on the fly)
+    plan(step, B)       the B row keys of the *global* batch of optimiser step `step`: a pure function of
+                        (data seed, step), so resuming needs only the step and 2 processes with batch B/2 see
+                        exactly the rows of 1 process with batch B
+    fetch(keys, step)   those rows as tensors
+    test_batches(B, n)  the test split (its first n rows; 0: all) in batches of numpy arrays
+    evaluate_loops(...) the metrics after every loop (or after the last) on the test split
+    describe()          what checkpoints and results record under "task"
+
+Batches are dicts: inputs [B,T] (ids) or [B,T,Din] (reals); targets [B,T] (ids, IGNORE outside the loss) or [B,T]
+reals with `weight` [B,T] marking the supervised positions.
+Shapes: B batch, T length, R loops, C classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from loopformer.errors import UserError
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class TaskConfig:
+    """Which data to train on. Either `data_dir` (a folder written by `loopformer data gen` / `text prepare`) or
+    the task generated in memory from `name`, `options`, `n_train`, `n_test` and `seed`."""
+
+    name: str = "lcs"                 # a token task (edit_distance | lcs | sudoku | countdown) | icl | text
+    options: dict[str, Any] = field(default_factory=dict)   # generator options, e.g. {length: 60}
+    data_dir: Optional[str] = None
+    n_train: int = 10000
+    n_test: int = 1000
+    seed: int = 0                     # data seed (independent of the model seed)
+    answer_only: bool = False         # causal pair tasks read by a bidirectional model: hide the answer tokens
+                                      # from the input and supervise only the answer position
+    block_size: int = 256             # text: tokens per training window
+    eval_windows: int = 64            # text: validation windows per evaluation
+    points: int = 41                  # icl: in-context examples per prompt (without a curriculum)
+    curriculum: dict[str, Any] = field(default_factory=dict)  # icl: the dims / points curriculum fields
+
+    def __post_init__(self) -> None:
+        _need(bool(self.name), "task.name must be set")
+        _need(self.n_train >= 1 and self.n_test >= 1, "task.n_train and task.n_test must be >= 1")
+        _need(0 <= self.seed < 2 ** 63, f"task.seed must be in [0, 2^63) (got {self.seed})")
+        _need(self.block_size >= 2, "task.block_size must be >= 2")
+        _need(self.eval_windows >= 1, "task.eval_windows must be >= 1")
+        _need(self.points >= 1, "task.points must be >= 1")
+
+
+class DataSource:
+    """The base class of the data sources (see the module docstring)."""
+
+    kind = "tokens"
+    metric = "accuracy"               # the headline metric of result tables
+    higher_is_better = True
+    classifies = True                 # targets are token ids: training logs the accuracy of the argmax
+    n_train: Optional[int] = None     # rows per epoch (None: sampled on the fly)
+
+    @classmethod
+    def handles(cls, name: str) -> bool:
+        """Whether `task.name` names a task of this kind."""
+        raise NotImplementedError
+
+    @classmethod
+    def choices(cls) -> list[str]:
+        """The task names of this kind (for messages)."""
+        raise NotImplementedError
+
+    @classmethod
+    def model_fields(cls, cfg: TaskConfig) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def epoch_rows(cls, cfg: TaskConfig) -> Optional[int]:
+        return None
+
+    def plan(self, step: int, batch_size: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def fetch(self, keys: np.ndarray, step: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def test_batches(self, batch_size: int, limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        raise NotImplementedError
+
+    def as_tensors(self, batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+        """A test batch as model inputs on `device`: inputs, targets (and weight)."""
+        return {"inputs": torch.as_tensor(np.asarray(batch["inputs"], dtype=np.int64), device=device),
+                "targets": torch.as_tensor(np.asarray(batch["targets"], dtype=np.int64), device=device)}
+
+    def evaluate_loops(self, model: torch.nn.Module, loops: int, all_loops: bool, batch_size: int, limit: int,
+                       device: torch.device, autocast: Callable[[], Any], progress: bool) -> list[dict[str, float]]:
+        """The metrics of `model` (in eval mode, no gradients) on the test split after every loop 1..`loops`
+        (`all_loops`), or after the last only (a list of one)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """What the checkpoint records under "task"."""
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------------- shared pieces
+def check_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise UserError(f"data directory not found: {path}")
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    order.flags.writeable = False     # shared by every caller through the cache
+    return order
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The row order of one epoch: a pure function of (seed, epoch, n), cached because every step reads it."""
+    return _epoch_order(int(seed), int(epoch), int(n))
+
+
+def stream_indices(seed: int, n: int, start: int, count: int) -> np.ndarray:
+    """Rows start .. start+count-1 of the endless stream of epochs (each a fresh permutation of n rows)."""
+    out = np.empty(count, dtype=np.int64)
+    pos, filled = start, 0
+    while filled < count:
+        epoch, off = divmod(pos, n)
+        take = min(count - filled, n - off)
+        out[filled:filled + take] = epoch_order(seed, epoch, n)[off:off + take]
+        filled += take
+        pos += take
+    return out
+
+
+def plain(obj: Any) -> Any:
+    """`obj` with numpy scalars as Python numbers (for JSON)."""
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (np.floating,)):
+        return float(obj)
+    return obj
+
+
+def eval_rows(requested: int, loops: int, T: int, C: int, budget: float = 1.5e8) -> int:
+    """Rows per forward so the per-loop logits [R,B,T,C] stay within `budget` elements."""
+    return int(max(1, min(requested, budget // max(1, loops * T * C))))
+
+
+def read_outs(model: torch.nn.Module, x: torch.Tensor, loops: int, all_loops: bool,
+              autocast: Callable[[], Any]) -> torch.Tensor:
+    """The read-out after every loop [R,B,T,C] (`all_loops`), or after the last [1,B,T,C]."""
+    with autocast():
+        out = model(x, loops=loops, return_all=all_loops)
+    return out.all_logits if all_loops else out.logits[None]
+
+
+__all__ = ["TaskConfig", "DataSource", "check_dir", "epoch_order", "stream_indices", "plain", "eval_rows",
+           "read_outs"]

@@ -1,0 +1,127 @@
+"""Token tasks (edit distance, LCS, Sudoku, Countdown and any task registered in `loopformer.tasks.TASKS`; paper
+Sec. 5.1.1): fixed-length rows `inputs` / `targets` [N,T] generated in memory from the config or read from a
+prepared data folder (`loopformer.data`), visited in epochs, each a fresh permutation `default_rng([seed, epoch])`.
+Evaluation: argmax predictions [R,N,T] → the task's metrics per loop (headline: exact-match 'accuracy').
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from loopformer.data.dataset import open_dataset, read_manifest
+from loopformer.errors import UserError
+from loopformer.sources.base import (DataSource, TaskConfig, check_dir, eval_rows, plain, read_outs,
+                                     stream_indices)
+from loopformer.tasks import TASKS, TokenTask, get_task
+
+
+def hide_answers(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Bidirectional reading of a causal task: the answer tokens (from `answer_start`) are replaced by padding in
+    the inputs, so the model must produce them all at once from the prompt; targets are unchanged."""
+    if "answer_start" not in batch:
+        raise UserError("task.answer_only needs a task with an answer span (edit_distance, lcs, countdown)")
+    out = dict(batch)
+    inputs = np.array(batch["inputs"], copy=True)
+    pos = np.arange(inputs.shape[1])[None, :]
+    inputs[pos >= np.asarray(batch["answer_start"])[:, None]] = pad_id
+    out["inputs"] = inputs
+    return out
+
+
+class TokenData(DataSource):
+    kind = "tokens"
+
+    @classmethod
+    def handles(cls, name: str) -> bool:
+        return name in TASKS
+
+    @classmethod
+    def choices(cls) -> list[str]:
+        return list(TASKS)
+
+    @staticmethod
+    def task_from(cfg: TaskConfig) -> TokenTask:
+        """The task of `cfg`: the one a data folder's manifest names, or `name` with `options`."""
+        if cfg.data_dir:
+            check_dir(cfg.data_dir)
+            manifest = read_manifest(cfg.data_dir)
+            return get_task(manifest["task"], **dict(manifest["options"]))
+        return get_task(cfg.name, **dict(cfg.options))
+
+    @classmethod
+    def model_fields(cls, cfg: TaskConfig) -> dict[str, Any]:
+        task = cls.task_from(cfg)
+        return {"vocab_size": task.vocab_size, "input_dim": 0, "max_len": task.seq_len,
+                "causal": bool(task.causal) and not cfg.answer_only, "head": "lm"}
+
+    @classmethod
+    def epoch_rows(cls, cfg: TaskConfig) -> Optional[int]:
+        return cfg.n_train
+
+    def __init__(self, cfg: TaskConfig):
+        self.cfg = cfg
+        if cfg.data_dir:
+            check_dir(cfg.data_dir)
+            self.task, splits = open_dataset(cfg.data_dir, verify=True)   # checksums and token ids
+            self.train, self.test = dict(splits["train"]), dict(splits["test"])
+        else:
+            self.task = get_task(cfg.name, **dict(cfg.options))
+            self.train = self.task.generate(cfg.n_train, cfg.seed, "train")
+            self.test = self.task.generate(cfg.n_test, cfg.seed, "test")
+        if cfg.answer_only:   # the test split now; training rows batch by batch (they may be memory-mapped)
+            if "answer_start" not in self.train:
+                raise UserError("task.answer_only needs a task with an answer span (edit_distance, lcs, countdown)")
+            self.test = hide_answers(self.test, self.task.pad_id)
+        self.n_train = len(self.train["inputs"])
+
+    def plan(self, step: int, batch_size: int) -> np.ndarray:
+        return stream_indices(self.cfg.seed, self.n_train, step * batch_size, batch_size)
+
+    def fetch(self, keys: np.ndarray, step: int) -> dict[str, torch.Tensor]:
+        idx = np.asarray(keys, dtype=np.int64)
+        rows = {"inputs": np.asarray(self.train["inputs"][idx], dtype=np.int64),           # [b,T]
+                "targets": np.asarray(self.train["targets"][idx], dtype=np.int64)}
+        if self.cfg.answer_only:
+            rows["answer_start"] = np.asarray(self.train["answer_start"][idx])
+            rows = hide_answers(rows, self.task.pad_id)
+        return {"inputs": torch.from_numpy(rows["inputs"]), "targets": torch.from_numpy(rows["targets"])}
+
+    def test_batches(self, batch_size: int, limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        n = len(self.test["inputs"]) if not limit else min(limit, len(self.test["inputs"]))
+        for i in range(0, n, batch_size):
+            yield {k: np.asarray(v)[i:min(i + batch_size, n)] for k, v in self.test.items()
+                   if np.ndim(v) >= 1 and len(v) == len(self.test["inputs"])}
+
+    def metrics(self, pred: np.ndarray, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        return {k: float(v) for k, v in self.task.metrics(pred, batch).items()}
+
+    def evaluate_loops(self, model, loops, all_loops, batch_size, limit, device, autocast, progress
+                       ) -> list[dict[str, float]]:
+        preds: list[np.ndarray] = []
+        rows: list[dict[str, np.ndarray]] = []
+        C = model.config.out_dim
+        for batch in tqdm(list(self.test_batches(10 ** 9, limit)), desc="eval", disable=not progress, leave=False):
+            T = batch["inputs"].shape[1]
+            step = eval_rows(batch_size, loops if all_loops else 1, T, C)
+            for i in range(0, len(batch["inputs"]), step):
+                x = torch.as_tensor(np.asarray(batch["inputs"][i:i + step], dtype=np.int64), device=device)
+                logits = read_outs(model, x, loops, all_loops, autocast)
+                preds.append(logits.argmax(-1).cpu().numpy())                             # [R,b,T]
+            rows.append(batch)
+        pred = np.concatenate(preds, axis=1)                                              # [R,N,T]
+        full = {k: np.concatenate([b[k] for b in rows]) for k in rows[0]}
+        if not all_loops:
+            return [self.metrics(pred[0], full)]
+        return [self.metrics(pred[t], full) for t in range(pred.shape[0])]
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.task.name, "options": plain(self.task.options()), "data_dir": self.cfg.data_dir,
+                "n_train": self.cfg.n_train, "n_test": self.cfg.n_test, "seed": self.cfg.seed,
+                "answer_only": self.cfg.answer_only, "metric": self.metric}
+
+
+__all__ = ["TokenData", "hide_answers"]
