@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loopformer.train.trainer import read_metrics, read_results
+from loopformer.train.run import read_metrics, read_results
 
 from test_train import TINY
 

@@ -19,7 +19,8 @@ from loopformer.model.diagnostics import (PARAM_GROUPS, grad_norms, is_timestep_
                                           modulation_stats, param_group, summarize_settle)
 from loopformer.train.config import load_run_config
 from loopformer.train.optim import make_optimizer
-from loopformer.train.trainer import read_metrics, train
+from loopformer.train.run import read_metrics
+from loopformer.train.trainer import train
 
 TINY = ["task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=96",
         "task.n_test=40", "model.d_model=16", "model.n_heads=2", "model.loops=3", "model.input_injection=true",

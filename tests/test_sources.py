@@ -16,7 +16,8 @@ from loopformer.tasks import TASKS, TokenTask, Vocab
 from loopformer.tasks.common import causal_targets, check_range, dataclass_options, exact_match, make_rng
 from loopformer.tasks.common import token_accuracy
 from loopformer.train.config import load_run_config
-from loopformer.train.trainer import read_results, train
+from loopformer.train.run import read_results
+from loopformer.train.trainer import train
 
 
 @dataclass

@@ -18,7 +18,8 @@ from loopformer.model import LoopedTransformer
 from loopformer.sources import TokenData, stream_indices
 from loopformer.train.config import TrainConfig, load_run_config
 from loopformer.train.optim import loops_at, lr_at, summed_loss
-from loopformer.train.trainer import read_metrics, read_results, train
+from loopformer.train.run import read_metrics, read_results
+from loopformer.train.trainer import train
 
 TINY = ["task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=96",
         "task.n_test=40", "model.d_model=16", "model.n_heads=2", "model.loops=2", "model.input_injection=true",
@@ -67,7 +68,7 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path):
         train(cut, on_step=kill_at)
     assert json.loads((tmp_path / "cut" / "checkpoint" / "config.json").read_text())["loops"] == 2
     assert max(s for s, _ in _train_losses(tmp_path / "cut")) == 7
-    from loopformer.train.trainer import load_for_resume
+    from loopformer.train.run import load_for_resume
 
     train(load_for_resume(tmp_path / "cut"), resume=True)
     a, b = _train_losses(tmp_path / "full"), _train_losses(tmp_path / "cut")

@@ -30,7 +30,7 @@ from loopformer.model.diagnostics import PARAM_GROUPS, loop_dynamics, modulation
 from loopformer.model.io import load, read_config
 from loopformer.sources import DataSource, TaskConfig, make_data
 from loopformer.tasks import IGNORE
-from loopformer.train.trainer import read_metrics
+from loopformer.train.run import read_metrics
 
 MOD_KEYS = ("gate_attn", "gate_mlp", "alpha_attn", "alpha_mlp")
 

@@ -27,7 +27,8 @@ from loopformer.errors import UserError
 from loopformer.sources import source_class
 from loopformer.train.config import load_run_config
 from loopformer.train.optim import steps_for
-from loopformer.train.trainer import load_for_resume, read_metrics, resumable, train
+from loopformer.train.run import load_for_resume, read_metrics, resumable
+from loopformer.train.trainer import train
 
 RUNS = "runs"
 

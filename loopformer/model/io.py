@@ -200,6 +200,11 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | 
                         f"unexpected {sorted(unexpected)[:3]}")
 
 
+def has_training_state(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint folder `path` holds a training state (what `--resume` needs)."""
+    return (Path(path) / STATE).is_file()
+
+
 def load_training_state(path: str | os.PathLike) -> Optional[dict]:
     """The training state of a checkpoint folder (None if it has none), loaded without unpickling code.
 

@@ -8,7 +8,8 @@ from loopformer.commandline import intermixed, split_items
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import format_results
 from loopformer.train.config import load_run_config
-from loopformer.train.trainer import load_for_resume, train
+from loopformer.train.run import load_for_resume
+from loopformer.train.trainer import train
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -4,29 +4,24 @@ Recipe (paper App. C.1.3 / C.2 / C.3, set by the run config): AdamW, warm-up the
 clipping and accumulation, the loss on the last loop, on every loop or on a window of the last loops, optional
 loop / in-context curricula, periodic evaluation with a checkpoint each time, and a final loop-wise evaluation.
 
+    train(cfg)                      Trainer(cfg) builds data, model, optimiser (and restores a checkpoint), then
+      for step in start..total:       step(s)       one optimiser step over the global batch of step s
+                                      log_train     the window's loss / accuracy / lr (every log_every steps)
+                                      log_dynamics  per-loop gates, update sizes, read-outs (every dynamics_every)
+                                      evaluate + checkpoint                        (every eval_every steps)
+      evaluate(final) + checkpoint + results.json
+
 Exact resumption: the global batch of step s is a pure function of (data seed, s) (see `loopformer.sources`),
 the learning rate a pure function of s, and the checkpoint holds the weights, the optimiser state, every
-process's RNG state and s — so `--resume` after a crash continues exactly where the last checkpoint left off, and
-the metrics log is cut back to that step.
-
-The run folder (`out_dir`):
-    config.yaml       the resolved run config (what `--resume` reloads)
-    run.json          provenance: config, seed, git commit, package versions, command line, world size, device
-    metrics.jsonl     one JSON object per line: {"split": "train"|"test", "step": s, ...}
-    checkpoint/       the latest checkpoint (model.safetensors, config.json, training_state.pt)
-    results.json      written last: final test metrics, loop-wise curve, parameter count, time
-    tb/               TensorBoard events (when the tensorboard package is installed)
+process's RNG state, s and the open log window — so `--resume` after a crash continues exactly where the last
+checkpoint left off, and the metrics log is cut back to that step. The run folder is `loopformer.train.run`.
 Shapes: B batch, T length, R loops, C classes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -35,192 +30,21 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import evaluate
-from loopformer.fileio import write_json, write_text
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
-from loopformer.model.io import load_training_state, load_weights, recover_checkpoint, save_checkpoint, unwrap
-from loopformer.tasks.base import IGNORE
+from loopformer.model.io import load_training_state, load_weights, save_checkpoint, unwrap
 from loopformer.model.looped import LoopedTransformer
 from loopformer.sources import DataSource, make_data
-from loopformer.train.config import RunConfig, load_run_config
+from loopformer.tasks import IGNORE
+from loopformer.train import run
+from loopformer.train.config import RunConfig
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
 from loopformer.train.optim import loops_at, loss_loops, lr_at, make_optimizer, steps_for, summed_loss
-
-CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR = (
-    "config.yaml", "run.json", "metrics.jsonl", "results.json", "checkpoint")
-
-
-# ------------------------------------------------------------------------------------------------- run folder
-def git_commit(path: str | os.PathLike = ".") -> Optional[dict]:
-    """{"commit", "dirty"} of the git checkout holding `path`, or None outside one."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        if commit.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5)
-        return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def package_versions() -> dict[str, str]:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in ("loopformer", "torch", "numpy", "omegaconf", "safetensors", "numba"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def config_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
-
-
-def nonfinite_key(record: dict) -> Optional[str]:
-    """The first key of `record` holding a NaN or infinite number (also inside lists), or None."""
-    for k, v in record.items():
-        vals = v if isinstance(v, (list, tuple)) else [v]
-        for x in vals:
-            if isinstance(x, dict):
-                bad = nonfinite_key(x)
-                if bad is not None:
-                    return f"{k}.{bad}"
-            elif isinstance(x, float) and not math.isfinite(x):
-                return k
-    return None
-
-
-def _finite_or_none(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite_or_none(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
-def nonfinite_parameter(model: torch.nn.Module) -> Optional[str]:
-    """The name of the first parameter holding a NaN or an infinity, or None (one host sync)."""
-    params = [(n, p) for n, p in unwrap(model).named_parameters()]
-    if not params:
-        return None
-    flags = torch.stack([torch.isfinite(p.detach()).all() for _, p in params])
-    if bool(flags.all()):
-        return None
-    return params[int((~flags).nonzero()[0, 0])][0]
-
-
-def read_results(run_dir: str | os.PathLike) -> Optional[dict]:
-    f = Path(run_dir) / RESULTS_FILE
-    if not f.is_file():
-        return None
-    try:
-        res = json.loads(f.read_text())
-    except ValueError:     # bad JSON or not UTF-8
-        raise UserError(f"{f} is not valid JSON") from None
-    if not isinstance(res, dict):
-        raise UserError(f"{f} is not a JSON object")
-    return res
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    f = Path(run_dir) / METRICS_FILE
-    if not f.is_file():
-        return []
-    out = []
-    for line in f.read_bytes().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                rec = json.loads(line.decode("utf-8"))
-            except ValueError:   # a line cut by a kill (or damaged): the log ends before it
-                break
-            if not isinstance(rec, dict) or not isinstance(rec.get("step", 0), int):
-                break
-            out.append(rec)
-    return out
-
-
-class MetricsLog:
-    """metrics.jsonl (rank 0), mirrored to TensorBoard / Weights & Biases when those are installed and enabled."""
-
-    def __init__(self, run_dir: Path, cfg: RunConfig, keep_until: Optional[int], enabled: bool,
-                 final_step: Optional[int] = None):
-        self.enabled = enabled
-        self.path = run_dir / METRICS_FILE
-        self.tb = self.wandb = None
-        if not enabled:
-            return
-        if keep_until is not None:   # resuming: drop what was logged after the checkpoint
-            kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= keep_until
-                    and not (final_step is not None and keep_until == final_step and r.get("step") == final_step
-                             and r.get("split") == "test")]    # the final evaluation is written again
-            write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        elif self.path.exists():
-            self.path.unlink()
-        self.fh = open(self.path, "a")
-        if cfg.log.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tb"))
-            except Exception:  # tensorboard not installed
-                self.tb = None
-        if cfg.log.wandb:
-            try:
-                import wandb
-
-                self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.name, config=to_dict(cfg),
-                                        dir=str(run_dir), resume="allow")
-            except Exception:  # wandb not installed or not logged in
-                self.wandb = None
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        bad = nonfinite_key({k: record[k] for k in ("loss", "ppl") if k in record})
-        if bad is None:    # JSON has no NaN: an undefined statistic (no parsable answer, ...) is written as null
-            record = _finite_or_none(record)
-        else:              # a diverged loss: stop rather than log it
-            raise UserError(f"training diverged: {record.get('split', 'train')} {bad} is {record[bad.split('.')[0]]} "
-                            f"at step {record.get('step')}; the last good checkpoint is kept (lower train.lr or "
-                            f"enable train.grad_clip)")
-        self.fh.write(json.dumps(record, allow_nan=False) + "\n")
-        self.fh.flush()
-        split, step = record.get("split", "train"), record.get("step", 0)
-        scalars = {}
-        for k, v in record.items():
-            if k in ("split", "step") or isinstance(v, bool):
-                continue
-            if isinstance(v, (int, float)):
-                scalars[f"{split}/{k}"] = v
-            elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
-                scalars.update({f"{split}/{k}/t{t + 1:02d}": x for t, x in enumerate(v)})   # per-loop lists
-        if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        self.fh.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+from loopformer.train.run import MetricsLog, load_for_resume, read_metrics, read_results, resumable  # noqa: F401
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -235,6 +59,17 @@ def autocast_for(cfg: RunConfig, device: torch.device) -> tuple[Callable[[], Any
     if prec == "fp16" and device.type != "cuda":
         raise UserError("train.precision=fp16 needs a CUDA device (use bf16 or fp32)")
     return (lambda: torch.autocast(device.type, dtype=dtype)), prec == "fp16"
+
+
+def nonfinite_parameter(model: torch.nn.Module) -> Optional[str]:
+    """The name of the first parameter holding a NaN or an infinity, or None (one host sync)."""
+    params = [(n, p) for n, p in unwrap(model).named_parameters()]
+    if not params:
+        return None
+    flags = torch.stack([torch.isfinite(p.detach()).all() for _, p in params])
+    if bool(flags.all()):
+        return None
+    return params[int((~flags).nonzero()[0, 0])][0]
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -279,42 +114,6 @@ def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loop
     return rec
 
 
-def results_done(run_dir: Path, step: int) -> bool:
-    """Whether the run in `run_dir` finished at `step` (results.json written for that many steps)."""
-    try:
-        res = read_results(run_dir)
-    except (ValueError, OSError):
-        return False
-    return bool(res) and res.get("steps") == step
-
-
-def resumable(run_dir: str | os.PathLike) -> bool:
-    """Whether `run_dir` holds a checkpoint to resume from (repairing a checkpoint swap cut short by a kill).
-    Call it only while no process is training in `run_dir`."""
-    ckpt = Path(run_dir) / CKPT_DIR
-    if ckpt.parent.is_dir():
-        recover_checkpoint(ckpt)
-    return (ckpt / "training_state.pt").is_file()
-
-
-def resolve_resume(path: str | os.PathLike) -> Path:
-    """The run folder of `--resume PATH` (PATH may be the run folder or its checkpoint folder)."""
-    p = Path(path)
-    if (p / CONFIG_FILE).is_file():
-        return p
-    if p.name == CKPT_DIR and (p.parent / CONFIG_FILE).is_file():
-        return p.parent
-    raise UserError(f"cannot resume from {p}: no {CONFIG_FILE} there (not a loopformer run folder)")
-
-
-def load_for_resume(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
-    """The stored config of a run folder, with `overrides` applied (e.g. a longer `train.steps`)."""
-    run_dir = resolve_resume(path)
-    cfg = load_run_config(run_dir / CONFIG_FILE, list(overrides))
-    cfg.out_dir = str(run_dir)
-    return cfg
-
-
 # ------------------------------------------------------------------------------------------------- training
 def train(cfg: RunConfig, *, resume: bool = False, on_step: Optional[Callable[[int], None]] = None,
           progress: Optional[bool] = None) -> dict:
@@ -325,230 +124,260 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Optional[Callable[[i
     """
     d = setup(cfg.device)
     try:
-        return _train(cfg, d, resume, on_step, progress)
+        t = Trainer(cfg, d, resume)
+        if t.finished:                           # a finished run: nothing to do, nothing rewritten
+            barrier(d)
+            return run.read_results(t.run_dir)
+        t.open_log(progress)
+        tc = cfg.train
+        for step in range(t.start, t.total):
+            t.step(step)
+            done = step + 1
+            if done % tc.log_every == 0 or done == t.total:
+                t.log_train(done)
+            if t.dyn_every and done % t.dyn_every == 0:
+                t.log_dynamics(done)
+            if tc.eval_every and done % tc.eval_every == 0 and done < t.total:
+                t.last_eval = t.evaluate(done, final=False)
+                t.checkpoint(done)
+                t.window_t0 = time.perf_counter()
+            if on_step is not None:
+                on_step(done)
+        t.bar.close()
+        final = t.evaluate(t.total, final=True)
+        t.checkpoint(t.total)
+        return t.finish(final)
     finally:
         teardown()
 
 
-def _train(cfg: RunConfig, d: Dist, resume: bool, on_step, progress) -> dict:
-    tc = cfg.train
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    B = tc.batch_size
-    if B % (d.world * tc.grad_accum):
-        raise UserError(f"train.batch_size={B} must be divisible by processes × grad_accum = "
-                        f"{d.world} × {tc.grad_accum}")
-    run_dir = Path(cfg.out_dir)
-    ckpt_dir = run_dir / CKPT_DIR
-    if d.main:
-        if ckpt_dir.parent.is_dir():
-            recover_checkpoint(ckpt_dir)           # a swap cut short by a kill: put the checkpoint back in place
-        if resume and not (ckpt_dir / "training_state.pt").is_file():
-            raise UserError(f"cannot resume: {ckpt_dir} holds no training state")
-        if not resume and (ckpt_dir.exists() or (run_dir / RESULTS_FILE).exists()):
-            raise UserError(f"{run_dir} already holds a run: resume it with --resume {run_dir} or choose another "
-                            f"out_dir")
-        run_dir.mkdir(parents=True, exist_ok=True)
-    barrier(d)
+class Trainer:
+    """One process's training state: data, model (and its DDP / compiled wrapper), optimiser, gradient scaler,
+    the open log window, and the run folder it writes (rank 0)."""
 
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed % 2 ** 32)
-    data: DataSource = make_data(cfg.task)
-    total = steps_for(tc.steps, tc.epochs, data.n_train, B)
-    model = LoopedTransformer(cfg.model).to(d.device)
-    optimizer = make_optimizer(model, tc)
-    autocast, use_scaler = autocast_for(cfg, d.device)
-    scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
-
-    start = 0
-    state = None
-    if resume:
-        load_weights(model, ckpt_dir, d.device)
-        state = load_training_state(ckpt_dir)
-        if state is None:
-            raise UserError(f"cannot resume: {ckpt_dir} holds no training state")
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-            raise UserError(f"cannot resume from {ckpt_dir}: its optimizer state does not fit this model "
-                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        start = int(state["step"])
-        if start >= total and results_done(run_dir, start):
-            barrier(d)
-            return read_results(run_dir)           # a finished run: nothing to do, nothing rewritten
-        rngs = state["rng"]
-        _set_rng_state(rngs[d.rank] if d.rank < len(rngs) else rngs[0], d.device)
-
-    if d.main:
-        write_text(run_dir / CONFIG_FILE, config_yaml(cfg))
-        info = {"name": cfg.name, "config": to_dict(cfg), "seed": cfg.seed, "git": git_commit(),
-                "versions": package_versions(), "command": sys.argv, "world_size": d.world,
-                "device": str(d.device), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "resumed_from_step": start if resume else None, "total_steps": total,
-                "params": unwrap(model).num_params()}
-        write_json(run_dir / RUN_FILE, info, default=str)
-    log = MetricsLog(run_dir, cfg, start if resume else None, d.main, final_step=total)
-
-    net: torch.nn.Module = model
-    if d.active:
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[d.device] if d.device.type == "cuda"
-                                                        else None)
-    if tc.compile:
-        net = torch.compile(net)
-
-    show = d.main and (cfg.log.progress if progress is None else progress)
-    bar = tqdm(total=total, initial=start, desc=cfg.name, disable=not show, dynamic_ncols=True)
-    train_time = float(state.get("train_time", 0.0)) if state else 0.0
-    # loss and accuracy sums stay on the device between log steps: no host synchronisation in the step
-    acc_dtype = torch.float32 if d.device.type == "mps" else torch.float64
-    acc_loss = torch.zeros((), dtype=acc_dtype, device=d.device)
-    acc_correct = torch.zeros((), dtype=acc_dtype, device=d.device)
-    acc_count = acc_tokens = 0.0
-    if state is not None and state.get("window"):   # the log window the checkpoint cut (exact metrics on resume)
-        win = state["window"]
-        w = [float(x) for x in (win[d.rank] if d.rank < len(win) else win[0])]
-        acc_loss.fill_(w[0])
-        acc_correct.fill_(w[1])
-        acc_count, acc_tokens = w[2], w[3]
-    window_t0 = time.perf_counter()
-    last_eval = None
-    classifies = data.classifies
-    dyn_every = (cfg.log.dynamics_every or tc.log_every) if cfg.log.dynamics else 0
-    dyn_grads: dict[str, float] = {}
-
-    def check_finite(step: int) -> None:
-        """Stop before NaN / inf weights or a non-finite loss reach a checkpoint or the metrics log."""
-        bad = nonfinite_parameter(model)
-        if bad is None and not bool(torch.isfinite(acc_loss)):
-            bad = "the training loss"
-        if bad is not None:
-            raise UserError(f"training diverged: {bad} is not finite at step {step}; the last good checkpoint is "
-                            f"kept (lower train.lr or enable train.grad_clip)")
-
-    def checkpoint(step: int) -> None:
-        check_finite(step)
-        window = [float(acc_loss), float(acc_correct), float(acc_count), float(acc_tokens)]
-        mine = gather_objects(d, {"rng": _rng_state(d.device), "window": window})
+    def __init__(self, cfg: RunConfig, d: Dist, resume: bool):
+        self.cfg, self.d, tc = cfg, d, cfg.train
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.B = tc.batch_size
+        if self.B % (d.world * tc.grad_accum):
+            raise UserError(f"train.batch_size={self.B} must be divisible by processes × grad_accum = "
+                            f"{d.world} × {tc.grad_accum}")
+        self.run_dir = Path(cfg.out_dir)
+        self.ckpt_dir = self.run_dir / run.CKPT_DIR
+        self.resume = resume
         if d.main:
-            save_checkpoint(ckpt_dir, model, run=to_dict(cfg), task=data.describe(),
-                            training_state={"step": step, "optimizer": optimizer.state_dict(),
-                                            "scaler": scaler.state_dict() if scaler else None,
-                                            "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
-                                            "train_time": train_time, "total_steps": total})
+            run.prepare(self.run_dir, resume)
         barrier(d)
 
-    def evaluation(step: int, final: bool) -> Optional[dict]:
-        res = None
-        check_finite(step)
-        if d.main:
-            max_loops = (cfg.eval.max_loops or 2 * cfg.model.loops) if final and cfg.eval.loopwise else 0
-            res = evaluate(model, data, loops=cfg.model.loops, max_loops=max_loops, batch_size=cfg.eval.batch_size,
-                           limit=cfg.eval.n, loopwise=final and cfg.eval.loopwise, device=d.device,
-                           autocast=autocast)
-            log.write({"split": "test", "step": step, "loops": res["loops"], **res["metrics"]})
-        return broadcast_object(d, res)
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed % 2 ** 32)
+        self.data: DataSource = make_data(cfg.task)
+        self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
+        self.model = LoopedTransformer(cfg.model).to(d.device)
+        self.optimizer = make_optimizer(self.model, tc)
+        self.autocast, use_scaler = autocast_for(cfg, d.device)
+        self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
+        self.start, self.state, self.finished = 0, None, False
+        if resume:
+            self._restore()
 
-    model.train()
-    for step in range(start, total):
+    def _restore(self) -> None:
+        """Weights, optimiser, scaler, step and this process's RNG state from the run's checkpoint."""
+        load_weights(self.model, self.ckpt_dir, self.d.device)
+        state = load_training_state(self.ckpt_dir)
+        if state is None:
+            raise UserError(f"cannot resume: {self.ckpt_dir} holds no training state")
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+            raise UserError(f"cannot resume from {self.ckpt_dir}: its optimizer state does not fit this model "
+                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.start, self.state = int(state["step"]), state
+        if self.start >= self.total and run.results_done(self.run_dir, self.start):
+            self.finished = True
+            return
+        rngs = state["rng"]
+        _set_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0], self.d.device)
+
+    def open_log(self, progress: Optional[bool]) -> None:
+        """Write config.yaml and run.json, open the metrics log, wrap the model (DDP, compile), start the bar and
+        the log window (restored from the checkpoint when resuming)."""
+        cfg, d, state = self.cfg, self.d, self.state
+        if d.main:
+            info = {"name": cfg.name, "config": to_dict(cfg), "seed": cfg.seed, "git": run.git_commit(),
+                    "versions": run.package_versions(), "command": sys.argv, "world_size": d.world,
+                    "device": str(d.device), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "resumed_from_step": self.start if self.resume else None, "total_steps": self.total,
+                    "params": unwrap(self.model).num_params()}
+            run.write_start(self.run_dir, cfg, info)
+        self.log = MetricsLog(self.run_dir, cfg, self.start if self.resume else None, d.main, final_step=self.total)
+
+        self.net: torch.nn.Module = self.model
+        if d.active:
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[d.device] if d.device.type == "cuda" else None)
+        if cfg.train.compile:
+            self.net = torch.compile(self.net)
+
+        show = d.main and (cfg.log.progress if progress is None else progress)
+        self.bar = tqdm(total=self.total, initial=self.start, desc=cfg.name, disable=not show, dynamic_ncols=True)
+        self.train_time = float(state.get("train_time", 0.0)) if state else 0.0
+        # loss and accuracy sums stay on the device between log steps: no host synchronisation in the step
+        self.acc_dtype = torch.float32 if d.device.type == "mps" else torch.float64
+        self.acc_loss = torch.zeros((), dtype=self.acc_dtype, device=d.device)
+        self.acc_correct = torch.zeros((), dtype=self.acc_dtype, device=d.device)
+        self.acc_count = self.acc_tokens = 0.0
+        if state is not None and state.get("window"):   # the log window the checkpoint cut (exact metrics on resume)
+            win = state["window"]
+            w = [float(x) for x in (win[d.rank] if d.rank < len(win) else win[0])]
+            self.acc_loss.fill_(w[0])
+            self.acc_correct.fill_(w[1])
+            self.acc_count, self.acc_tokens = w[2], w[3]
+        self.window_t0 = time.perf_counter()
+        self.last_eval: Optional[dict] = None
+        self.dyn_every = (cfg.log.dynamics_every or cfg.train.log_every) if cfg.log.dynamics else 0
+        self.dyn_grads: dict[str, float] = {}
+        self.model.train()
+
+    # ------------------------------------------------------------------ one optimiser step
+    def step(self, step: int) -> None:
+        """Forward and backward over this process's slice of the global batch of `step` (in grad_accum
+        micro-batches), then clip and update; the loss and accuracy sums go into the log window."""
+        cfg, d, tc, data = self.cfg, self.d, self.cfg.train, self.data
         t_step = time.perf_counter()
-        lr = lr_at(tc, step, total)
-        for g in optimizer.param_groups:
+        self.lr = lr = lr_at(tc, step, self.total)
+        for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
-        R = loops_at(tc, step, cfg.model.loops)
+        self.loops = R = loops_at(tc, step, cfg.model.loops)
         n_read = loss_loops(tc, R)                               # read-outs in the loss (None: the last one)
-        keys = data.plan(step, B)                                # [B] global batch
+        keys = data.plan(step, self.B)                           # [B] global batch
         mine = np.array_split(keys, d.world)[d.rank]
         fetched = [data.fetch(k, step) for k in np.array_split(mine, tc.grad_accum)]
         counts = [int((m["targets"] != IGNORE).sum()) if not m["targets"].dtype.is_floating_point
                   else int(m["weight"].sum()) for m in fetched]          # counted on the host, before the copy
         micro = [_to(m, d.device) for m in fetched]
         global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
+        k = 1 if n_read is None else n_read
         for i, mb in enumerate(micro):
             sync = i == len(micro) - 1
-            ctx = net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
+            ctx = self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
             with ctx:
-                with autocast():
-                    out = net(mb["inputs"], loops=R, return_all=n_read is not None)
+                with self.autocast():
+                    out = self.net(mb["inputs"], loops=R, return_all=n_read is not None)
                 logits = out.logits if n_read is None else out.all_logits[-n_read:]
                 s, _ = summed_loss(logits, mb["targets"], mb.get("weight"))
-                k = 1 if n_read is None else n_read
                 loss = s * (d.world / (global_count * k))
-                if scaler is not None:
-                    scaler.scale(loss).backward()
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
                 else:
                     loss.backward()
             with torch.no_grad():
-                acc_loss += s.detach().to(acc_dtype) / k
-                if classifies:
+                self.acc_loss += s.detach().to(self.acc_dtype) / k
+                if data.classifies:
                     mask = mb["targets"] != IGNORE
-                    acc_correct += ((out.logits.argmax(-1) == mb["targets"]) & mask).sum().to(acc_dtype)
-                acc_count += counts[i]
-                acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        if d.main and dyn_every and (step + 1) % dyn_every == 0:
-            dyn_grads = grad_norms(model)                        # before clipping
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip) if tc.grad_clip > 0 else None
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
+                    self.acc_correct += ((out.logits.argmax(-1) == mb["targets"]) & mask).sum().to(self.acc_dtype)
+                self.acc_count += counts[i]
+                self.acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]
+        self.last_micro = micro[-1]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if d.main and self.dyn_every and (step + 1) % self.dyn_every == 0:
+            self.dyn_grads = grad_norms(self.model)              # before clipping
+        self.gnorm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip) if tc.grad_clip > 0
+                      else None)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        train_time += time.perf_counter() - t_step
-        done = step + 1
-        bar.update(1)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.train_time += time.perf_counter() - t_step
+        self.bar.update(1)
 
-        if done % tc.log_every == 0 or done == total:
-            loss_sum, correct, count, tokens = all_sum(d, [float(acc_loss), float(acc_correct), acc_count,
-                                                           acc_tokens])
-            now = time.perf_counter()
-            rec = {"split": "train", "step": done, "loss": loss_sum / max(count, 1.0), "lr": lr, "loops": R,
-                   "grad_norm": float(gnorm) if gnorm is not None else None,
-                   "tokens_per_s": tokens / max(now - window_t0, 1e-9),
-                   "train_time": train_time}
-            if classifies:
-                rec["accuracy"] = correct / max(count, 1.0)
-            if not math.isfinite(rec["loss"]):
-                raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
-                                f"checkpoint is kept (lower train.lr or enable train.grad_clip)")
-            log.write(rec)
-            post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
-            if "accuracy" in rec:
-                post["acc"] = f"{rec['accuracy']:.3f}"
-            if last_eval is not None:
-                post[f"test_{data.metric}"] = f"{last_eval['metrics'][data.metric]:.4g}"
-            bar.set_postfix(post, refresh=False)
-            acc_loss.zero_()
-            acc_correct.zero_()
-            acc_count = acc_tokens = 0.0
-            window_t0 = now
-        if d.main and dyn_every and done % dyn_every == 0:
-            log.write(dynamics_record(model, micro[-1], R, done, dyn_grads))
-        if tc.eval_every and done % tc.eval_every == 0 and done < total:
-            last_eval = evaluation(done, final=False)
-            checkpoint(done)
-            window_t0 = time.perf_counter()
-        if on_step is not None:
-            on_step(done)
-    bar.close()
+    # ------------------------------------------------------------------ logging
+    def log_train(self, done: int) -> None:
+        """The "train" record of the log window that ends at step `done` (summed over processes)."""
+        loss_sum, correct, count, tokens = all_sum(self.d, [float(self.acc_loss), float(self.acc_correct),
+                                                            self.acc_count, self.acc_tokens])
+        now = time.perf_counter()
+        rec = {"split": "train", "step": done, "loss": loss_sum / max(count, 1.0), "lr": self.lr, "loops": self.loops,
+               "grad_norm": float(self.gnorm) if self.gnorm is not None else None,
+               "tokens_per_s": tokens / max(now - self.window_t0, 1e-9),
+               "train_time": self.train_time}
+        if self.data.classifies:
+            rec["accuracy"] = correct / max(count, 1.0)
+        if not math.isfinite(rec["loss"]):
+            raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
+                            f"checkpoint is kept (lower train.lr or enable train.grad_clip)")
+        self.log.write(rec)
+        post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+        if "accuracy" in rec:
+            post["acc"] = f"{rec['accuracy']:.3f}"
+        if self.last_eval is not None:
+            post[f"test_{self.data.metric}"] = f"{self.last_eval['metrics'][self.data.metric]:.4g}"
+        self.bar.set_postfix(post, refresh=False)
+        self.acc_loss.zero_()
+        self.acc_correct.zero_()
+        self.acc_count = self.acc_tokens = 0.0
+        self.window_t0 = now
 
-    final = evaluation(total, final=True)
-    checkpoint(total)
-    results = None
-    if d.main:
-        raw = unwrap(model)
-        results = {
-            "name": cfg.name, "task": data.describe(), "variant": cfg.model.variant, "loops": cfg.model.loops,
-            "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep, "d_model": cfg.model.d_model,
-            "params": raw.num_params(), "steps": total, "batch_size": B, "train_time_s": train_time,
-            "metric": final["metric"], "higher_is_better": final["higher_is_better"],
-            "test": final["metrics"], "loopwise": final["loopwise"], "max_loops": final["max_loops"],
-            "world_size": d.world, "device": str(d.device), "seed": cfg.seed,
-        }
-        results = _finite_or_none(json.loads(json.dumps(results, default=float)))   # strict JSON: NaN -> null
-        write_json(run_dir / RESULTS_FILE, results, allow_nan=False)
-    log.close()
-    return broadcast_object(d, results)
+    def log_dynamics(self, done: int) -> None:
+        if self.d.main:
+            self.log.write(dynamics_record(self.model, self.last_micro, self.loops, done, self.dyn_grads))
+
+    # ------------------------------------------------------------------ evaluation, checkpoints, results
+    def check_finite(self, step: int) -> None:
+        """Stop before NaN / inf weights or a non-finite loss reach a checkpoint or the metrics log."""
+        bad = nonfinite_parameter(self.model)
+        if bad is None and not bool(torch.isfinite(self.acc_loss)):
+            bad = "the training loss"
+        if bad is not None:
+            raise UserError(f"training diverged: {bad} is not finite at step {step}; the last good checkpoint is "
+                            f"kept (lower train.lr or enable train.grad_clip)")
+
+    def evaluate(self, step: int, final: bool) -> Optional[dict]:
+        """Test metrics (rank 0; on the final evaluation also loop by loop), logged and shared with every process."""
+        cfg, res = self.cfg, None
+        self.check_finite(step)
+        if self.d.main:
+            max_loops = (cfg.eval.max_loops or 2 * cfg.model.loops) if final and cfg.eval.loopwise else 0
+            res = evaluate(self.model, self.data, loops=cfg.model.loops, max_loops=max_loops,
+                           batch_size=cfg.eval.batch_size, limit=cfg.eval.n, loopwise=final and cfg.eval.loopwise,
+                           device=self.d.device, autocast=self.autocast)
+            self.log.write({"split": "test", "step": step, "loops": res["loops"], **res["metrics"]})
+        return broadcast_object(self.d, res)
+
+    def checkpoint(self, step: int) -> None:
+        """Weights, optimiser, scaler, every process's RNG state and log window, written by rank 0."""
+        self.check_finite(step)
+        window = [float(self.acc_loss), float(self.acc_correct), float(self.acc_count), float(self.acc_tokens)]
+        mine = gather_objects(self.d, {"rng": _rng_state(self.d.device), "window": window})
+        if self.d.main:
+            save_checkpoint(self.ckpt_dir, self.model, run=to_dict(self.cfg), task=self.data.describe(),
+                            training_state={"step": step, "optimizer": self.optimizer.state_dict(),
+                                            "scaler": self.scaler.state_dict() if self.scaler else None,
+                                            "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
+                                            "train_time": self.train_time, "total_steps": self.total})
+        barrier(self.d)
+
+    def finish(self, final: dict) -> dict:
+        """results.json (rank 0) from the final evaluation; every process returns it."""
+        cfg, d, results = self.cfg, self.d, None
+        if d.main:
+            results = run.write_results(self.run_dir, {
+                "name": cfg.name, "task": self.data.describe(), "variant": cfg.model.variant,
+                "loops": cfg.model.loops, "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep,
+                "d_model": cfg.model.d_model, "params": unwrap(self.model).num_params(), "steps": self.total,
+                "batch_size": self.B, "train_time_s": self.train_time, "metric": final["metric"],
+                "higher_is_better": final["higher_is_better"], "test": final["metrics"],
+                "loopwise": final["loopwise"], "max_loops": final["max_loops"], "world_size": d.world,
+                "device": str(d.device), "seed": cfg.seed,
+            })
+        self.log.close()
+        return broadcast_object(d, results)
+
+
+__all__ = ["train", "Trainer", "autocast_for", "dynamics_record", "nonfinite_parameter"]

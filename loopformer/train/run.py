@@ -1,0 +1,264 @@
+"""The run folder (`out_dir`): its layout, and everything that reads or writes it.
+
+    config.yaml       the resolved run config (what `--resume` reloads)
+    run.json          provenance: config, seed, git commit, package versions, command line, world size, device
+    metrics.jsonl     one JSON object per line: {"split": "train"|"test"|"dynamics", "step": s, ...} (strict JSON:
+                      an undefined statistic is null)
+    checkpoint/       the latest checkpoint (`loopformer.model.io`: weights, config.json, training state)
+    results.json      written last: final test metrics, loop-wise curve, parameter count, time
+    tb/               TensorBoard events (when the tensorboard package is installed)
+
+The trainer (`loopformer.train.trainer`) writes it; sweeps, reports, `analyze dynamics` and `--resume` read it.
+Every file is replaced atomically (`loopformer.fileio`); the metrics log is appended line by line and, on resume,
+cut back to the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from loopformer.configio import to_dict
+from loopformer.errors import UserError
+from loopformer.fileio import write_json, write_text
+from loopformer.model.io import has_training_state, recover_checkpoint
+from loopformer.train.config import RunConfig, load_run_config
+
+CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR = (
+    "config.yaml", "run.json", "metrics.jsonl", "results.json", "checkpoint")
+
+
+# ------------------------------------------------------------------------------------------------- provenance
+def git_commit(path: str | os.PathLike = ".") -> Optional[dict]:
+    """{"commit", "dirty"} of the git checkout holding loopformer, or None outside one."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+        return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("loopformer", "torch", "numpy", "omegaconf", "safetensors", "numba"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def config_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
+
+
+# ------------------------------------------------------------------------------------------------- strict JSON
+def nonfinite_key(record: dict) -> Optional[str]:
+    """The first key of `record` holding a NaN or infinite number (also inside lists), or None."""
+    for k, v in record.items():
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        for x in vals:
+            if isinstance(x, dict):
+                bad = nonfinite_key(x)
+                if bad is not None:
+                    return f"{k}.{bad}"
+            elif isinstance(x, float) and not math.isfinite(x):
+                return k
+    return None
+
+
+def finite_or_none(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float replaced by None (JSON has no NaN)."""
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------- reading
+def read_results(run_dir: str | os.PathLike) -> Optional[dict]:
+    f = Path(run_dir) / RESULTS_FILE
+    if not f.is_file():
+        return None
+    try:
+        res = json.loads(f.read_text())
+    except ValueError:     # bad JSON or not UTF-8
+        raise UserError(f"{f} is not valid JSON") from None
+    if not isinstance(res, dict):
+        raise UserError(f"{f} is not a JSON object")
+    return res
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    f = Path(run_dir) / METRICS_FILE
+    if not f.is_file():
+        return []
+    out = []
+    for line in f.read_bytes().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rec = json.loads(line.decode("utf-8"))
+            except ValueError:   # a line cut by a kill (or damaged): the log ends before it
+                break
+            if not isinstance(rec, dict) or not isinstance(rec.get("step", 0), int):
+                break
+            out.append(rec)
+    return out
+
+
+def results_done(run_dir: str | os.PathLike, step: int) -> bool:
+    """Whether the run in `run_dir` finished at `step` (results.json written for that many steps)."""
+    try:
+        res = read_results(run_dir)
+    except (ValueError, OSError):
+        return False
+    return bool(res) and res.get("steps") == step
+
+
+def resumable(run_dir: str | os.PathLike) -> bool:
+    """Whether `run_dir` holds a checkpoint to resume from (repairing a checkpoint swap cut short by a kill).
+    Call it only while no process is training in `run_dir`."""
+    ckpt = Path(run_dir) / CKPT_DIR
+    if ckpt.parent.is_dir():
+        recover_checkpoint(ckpt)
+    return has_training_state(ckpt)
+
+
+def resolve_resume(path: str | os.PathLike) -> Path:
+    """The run folder of `--resume PATH` (PATH may be the run folder or its checkpoint folder)."""
+    p = Path(path)
+    if (p / CONFIG_FILE).is_file():
+        return p
+    if p.name == CKPT_DIR and (p.parent / CONFIG_FILE).is_file():
+        return p.parent
+    raise UserError(f"cannot resume from {p}: no {CONFIG_FILE} there (not a loopformer run folder)")
+
+
+def load_for_resume(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
+    """The stored config of a run folder, with `overrides` applied (e.g. a longer `train.steps`)."""
+    run_dir = resolve_resume(path)
+    cfg = load_run_config(run_dir / CONFIG_FILE, list(overrides))
+    cfg.out_dir = str(run_dir)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------- writing
+def prepare(run_dir: Path, resume: bool) -> None:
+    """Make `run_dir` ready for a fresh run (refusing one that holds a run) or for resuming (repairing a
+    checkpoint swap cut short by a kill first)."""
+    ckpt_dir = run_dir / CKPT_DIR
+    if ckpt_dir.parent.is_dir():
+        recover_checkpoint(ckpt_dir)           # a swap cut short by a kill: put the checkpoint back in place
+    if resume and not has_training_state(ckpt_dir):
+        raise UserError(f"cannot resume: {ckpt_dir} holds no training state")
+    if not resume and (ckpt_dir.exists() or (run_dir / RESULTS_FILE).exists()):
+        raise UserError(f"{run_dir} already holds a run: resume it with --resume {run_dir} or choose another "
+                        f"out_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_start(run_dir: Path, cfg: RunConfig, info: dict) -> None:
+    """config.yaml and run.json (provenance `info`) of a run that starts or resumes."""
+    write_text(run_dir / CONFIG_FILE, config_yaml(cfg))
+    write_json(run_dir / RUN_FILE, info, default=str)
+
+
+def write_results(run_dir: Path, results: dict) -> dict:
+    """results.json as strict JSON (an undefined metric is null); returns what was written."""
+    results = finite_or_none(json.loads(json.dumps(results, default=float)))
+    write_json(run_dir / RESULTS_FILE, results, allow_nan=False)
+    return results
+
+
+class MetricsLog:
+    """metrics.jsonl (rank 0), mirrored to TensorBoard / Weights & Biases when those are installed and enabled."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, keep_until: Optional[int], enabled: bool,
+                 final_step: Optional[int] = None):
+        self.enabled = enabled
+        self.path = run_dir / METRICS_FILE
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        if keep_until is not None:   # resuming: drop what was logged after the checkpoint
+            kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= keep_until
+                    and not (final_step is not None and keep_until == final_step and r.get("step") == final_step
+                             and r.get("split") == "test")]    # the final evaluation is written again
+            write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self.fh = open(self.path, "a")
+        if cfg.log.tensorboard:
+            try:   # optional and heavy: imported only when asked for
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:  # tensorboard not installed
+                self.tb = None
+        if cfg.log.wandb:
+            try:   # optional: imported only when asked for
+                import wandb
+
+                self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.name, config=to_dict(cfg),
+                                        dir=str(run_dir), resume="allow")
+            except Exception:  # wandb not installed or not logged in
+                self.wandb = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        bad = nonfinite_key({k: record[k] for k in ("loss", "ppl") if k in record})
+        if bad is None:    # JSON has no NaN: an undefined statistic (no parsable answer, ...) is written as null
+            record = finite_or_none(record)
+        else:              # a diverged loss: stop rather than log it
+            raise UserError(f"training diverged: {record.get('split', 'train')} {bad} is {record[bad.split('.')[0]]} "
+                            f"at step {record.get('step')}; the last good checkpoint is kept (lower train.lr or "
+                            f"enable train.grad_clip)")
+        self.fh.write(json.dumps(record, allow_nan=False) + "\n")
+        self.fh.flush()
+        split, step = record.get("split", "train"), record.get("step", 0)
+        scalars = {}
+        for k, v in record.items():
+            if k in ("split", "step") or isinstance(v, bool):
+                continue
+            if isinstance(v, (int, float)):
+                scalars[f"{split}/{k}"] = v
+            elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+                scalars.update({f"{split}/{k}/t{t + 1:02d}": x for t, x in enumerate(v)})   # per-loop lists
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.fh.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+__all__ = ["CONFIG_FILE", "RUN_FILE", "METRICS_FILE", "RESULTS_FILE", "CKPT_DIR", "MetricsLog", "read_results",
+           "read_metrics", "results_done", "resumable", "resolve_resume", "load_for_resume", "prepare",
+           "write_start", "write_results", "git_commit", "package_versions", "config_yaml", "nonfinite_key",
+           "finite_or_none"]
