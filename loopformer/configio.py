@@ -3,13 +3,15 @@
 Every config in loopformer is a (possibly nested) dataclass whose `__post_init__` validates its values. This module
 uses OmegaConf to merge a YAML file and `key=value` overrides onto the dataclass schema, so unknown keys and values
 of the wrong type are rejected with the offending key named, and then builds the dataclass (running its checks).
-All failures surface as one-line `UserError`s.
+All failures surface as one-line `UserError`s. The configs shipped with the package live in `CONFIG_DIR`
+(`loopformer/configs/`; a clone reaches the same files as `configs/`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -18,6 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 from loopformer.errors import UserError
 
 T = TypeVar("T")
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"   # the YAML configs shipped with the package
 
 
 def _one_line(exc: BaseException) -> str:
@@ -79,6 +83,14 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
     except (ValueError, TypeError) as exc:  # raised by __post_init__ validation
         raise UserError(f"config error: {_one_line(exc)}") from None
     return obj  # type: ignore[return-value]
+
+
+def shipped_config(name: str) -> Path:
+    """The path of a config shipped with loopformer, e.g. `shipped_config("cpu/demo.yaml")`."""
+    path = CONFIG_DIR / name
+    if not path.is_file():
+        raise UserError(f"no shipped config {name!r} (see {CONFIG_DIR})")
+    return path
 
 
 def to_dict(cfg: Any) -> dict:

@@ -5,8 +5,9 @@ A standard Transformer and Looped Transformers with r ∈ {2, 4, 8} loops, each 
 the answer — the LCS length — read out by a bidirectional model at the answer position; every loop's read-out
 in the loss), then the test accuracy
 is tabulated in the layout of Table 2 and plotted against r, with the accuracy after every loop in a second plot.
-The same runs can be made by hand with `loopformer sweep configs/cpu/demo.yaml --grid ... --baseline ...`
-(`DEMO_GRID`, `DEMO_BASELINE`); `DEMO_CONFIG` is `configs/cpu/demo.yaml`.
+The runs' config is the YAML shipped with the package, `loopformer/configs/cpu/demo.yaml` (also reached as
+`configs/cpu/demo.yaml` in a clone), so the same runs can be made by hand with
+`loopformer sweep configs/cpu/demo.yaml --grid ... --baseline ...` (`DEMO_GRID`, `DEMO_BASELINE`).
 
 The seven runs go to two worker processes with one thread each and take about ten minutes on two idle cores;
 re-running the command completes an interrupted demo (finished runs are kept).
@@ -14,7 +15,6 @@ re-running the command completes an interrupted demo (finished runs are kept).
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
@@ -22,22 +22,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from loopformer.configio import shipped_config
 from loopformer.experiments.report import write_report
 from loopformer.experiments.sweep import run_sweep
 from loopformer.fileio import write_text
 
-DEMO_CONFIG: dict = {
-    "name": "demo",
-    "seed": 0,
-    "model": {"d_model": 64, "n_heads": 4, "n_layers": 1, "loops": 1, "input_injection": True, "init_std": 0.1},
-    "task": {"name": "lcs", "options": {"length": 6, "alphabet_min": 2, "alphabet_max": 4, "alphabet_pool": 4},
-             "n_train": 200000, "n_test": 2000, "seed": 0, "answer_only": True},
-    "train": {"steps": 3000, "batch_size": 64, "lr": 2.0e-3, "min_lr": 0.0, "schedule": "onecycle",
-              "warmup_fraction": 0.1, "weight_decay": 0.01, "betas": [0.9, 0.999], "grad_clip": 1.0,
-              "loss_loops": "all", "log_every": 25},
-    "eval": {"batch_size": 500, "max_loops": 16},
-    "log": {"tensorboard": False},
-}
+DEMO_YAML = "cpu/demo.yaml"   # the runs' config, under loopformer/configs
 DEMO_GRID: list[tuple[str, list[str]]] = [("model.loops", ["2", "4", "8"]), ("model.timestep", ["false", "true"])]
 DEMO_BASELINE: list[str] = ["model.n_layers=4", "model.loops=1"]
 
@@ -48,7 +38,8 @@ QUICK_BASELINE: list[str] = ["model.n_layers=2", "model.loops=1"]
 
 
 def demo_yaml() -> str:
-    return OmegaConf.to_yaml(OmegaConf.create(copy.deepcopy(DEMO_CONFIG)))
+    """The text of the demo's run config."""
+    return shipped_config(DEMO_YAML).read_text()
 
 
 def run_demo(out: str | os.PathLike = "demo", quick: bool = False, jobs: int = 2, threads: int = 1,
@@ -57,12 +48,14 @@ def run_demo(out: str | os.PathLike = "demo", quick: bool = False, jobs: int = 2
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = out / "demo.yaml"
-    write_text(config, demo_yaml())
+    text = demo_yaml()
+    write_text(config, text)
+    length = OmegaConf.create(text).task.options.length
     grid, baseline = (QUICK_GRID, QUICK_BASELINE) if quick else (DEMO_GRID, DEMO_BASELINE)
     overrides = list(QUICK_OVERRIDES) if quick else []
     n_runs = len(baseline and [1]) + len(grid[0][1]) * len(grid[1][1])
     if progress:
-        print(f"loopformer demo: {n_runs} runs on LCS (length {DEMO_CONFIG['task']['options']['length']}) — "
+        print(f"loopformer demo: {n_runs} runs on LCS (length {length}) — "
               f"standard Transformer L={baseline[0].split('=')[1]}, looped r ∈ "
               f"{{{', '.join(grid[0][1])}}} with and without timestep encoding; {jobs} processes × {threads} "
               f"thread(s); results in {out}/", file=sys.stderr)
