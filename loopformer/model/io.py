@@ -34,10 +34,11 @@ from loopformer.configio import from_dict, to_dict
 from loopformer.errors import UserError
 from loopformer.fileio import new_folder
 from loopformer.model.config import ModelConfig
-from loopformer.model.looped import RESERVED_KEYS, LoopedTransformer
+from loopformer.model.looped import LoopedTransformer
 from loopformer.version import __version__
 
 WEIGHTS, CONFIG, STATE = "model.safetensors", "config.json", "training_state.pt"
+RESERVED_KEYS = ("run", "task", "loopformer_version", "source")   # config.json keys that are not model fields
 
 
 def unwrap(model: torch.nn.Module) -> LoopedTransformer:

@@ -8,6 +8,10 @@ TMLT (Eq. 12-15):  PE(t) sinusoidal -> TE(t) = W3·SiLU(W4·PE(t) + b4) + b3
                    X' = X + γ1 ⊙ Attn(α1 ⊙ RMSN(X)),  TF(X, t) = X' + γ2 ⊙ FF(α2 ⊙ RMSN(X'))
 W5 starts at zero and b5 at [γ0, γ0, 0, 0] with γ0 = `timestep_gate_init`: with the default γ0 = 1 the untrained
 TMLT block is the untrained looped block; γ0 = 0 is the paper's adaLN-Zero (the untrained block is the identity).
+Each layer owns its modulation W5, b5: `Layer.loop_modulation(SiLU(TE))` gives its [γ1, γ2, s1, s2] for all loops.
+
+The published code's plain looped layer differs (values from the un-normalised x, no norm before the MLP):
+`AuthorsLoopedLayer`, chosen by `make_layer` for `compat="authors"` without timestep encoding.
 """
 
 from __future__ import annotations
@@ -94,10 +98,7 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention through `scaled_dot_product_attention`; q, k, v come from one projection.
-
-    `v_input` (authors' compatibility only) takes values from a different tensor than queries and keys.
-    """
+    """Multi-head self-attention through `scaled_dot_product_attention`; q, k, v come from one projection."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -111,17 +112,14 @@ class Attention(nn.Module):
         self.causal = cfg.causal
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None, slot: int = 0,
-                v_input: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T, _ = x.shape
+                cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
+        return self.attend(self.qkv(x), mask, cache, slot)                     # qkv: [B,T,3·H·Dh]
+
+    def attend(self, qkv: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[KVCache],
+               slot: int) -> torch.Tensor:
+        """Attention of the projected q | k | v [B,T,3·H·Dh], then the output projection: [B,T,D]."""
+        B, T, _ = qkv.shape
         inner = self.h * self.dh
-        if v_input is None:
-            qkv = self.qkv(x)                                                   # [B,T,3·H·Dh]
-        else:
-            w, b = self.qkv.weight, self.qkv.bias
-            qk = F.linear(x, w[: 2 * inner], None if b is None else b[: 2 * inner])
-            v = F.linear(v_input, w[2 * inner:], None if b is None else b[2 * inner:])
-            qkv = torch.cat([qk, v], dim=-1)
         q, k, v = (z.view(B, T, self.h, self.dh).transpose(1, 2) for z in qkv.split(inner, dim=-1))  # [B,H,T,Dh]
         if cache is not None:
             k, v = cache.update(slot, k, v)                                     # [B,H,S,Dh]
@@ -136,31 +134,71 @@ class Attention(nn.Module):
 
 
 class Layer(nn.Module):
-    """One pre-norm transformer layer; with `mod` (per-loop α, γ) it is the TMLT layer of Eq. 14-15."""
+    """One pre-norm transformer layer; with its modulation (per-loop α, γ) it is the TMLT layer of Eq. 14-15."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.authors_lt = cfg.compat == "authors" and not cfg.timestep
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.norm2 = make_norm(cfg) if not self.authors_lt else nn.Identity()
+        self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         # TMLT: SiLU(TE(t)) -> [γ1, γ2, s1, s2] (the authors' chunk order: gate_attn, gate_mlp, scale_attn, scale_mlp)
         with torch.random.fork_rng(devices=[]):   # draws nothing (see LoopedTransformer.reset_parameters)
             self.modulation = nn.Linear(cfg.d_model, 4 * cfg.d_model) if cfg.timestep else None
 
+    @torch.no_grad()
+    def reset_modulation(self, gate_init: float) -> None:
+        """W5 = 0 and b5 = [γ0, γ0, 0, 0]: every loop starts with gates γ0 and scales α = 1 (adaLN-Zero for γ0 = 0)."""
+        if self.modulation is not None:
+            d = self.modulation.in_features
+            self.modulation.weight.zero_()
+            self.modulation.bias.zero_()
+            self.modulation.bias[:2 * d].fill_(gate_init)                                  # γ1, γ2
+
+    def loop_modulation(self, te: torch.Tensor) -> Optional[torch.Tensor]:
+        """[γ1, γ2, s1, s2] of every loop from SiLU(TE(t)) [R,D]: [R,4,D] (None without timestep encoding)."""
+        if self.modulation is None:
+            return None
+        return self.modulation(te).view(te.shape[0], 4, -1)
+
     def forward(self, x: torch.Tensor, mod: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
-        # x: [B,T,D]; mod: [4, D] for this loop (or None)
+        # x: [B,T,D]; mod: [4, D], this layer's modulation at this loop (or None)
         if mod is None:
-            if self.authors_lt:  # their LT: v from the un-normalised x, and no pre-norm before the MLP
-                x = x + self.attn(self.norm1(x), mask, cache, slot, v_input=x)
-                return x + self.mlp(x)
             x = x + self.attn(self.norm1(x), mask, cache, slot)
             return x + self.mlp(self.norm2(x))
         gate_attn, gate_mlp, scale_attn, scale_mlp = mod
         x = x + gate_attn * self.attn(self.norm1(x) * (1 + scale_attn), mask, cache, slot)
         return x + gate_mlp * self.mlp(self.norm2(x) * (1 + scale_mlp))
+
+
+class AuthorsLoopedLayer(Layer):
+    """The published code's plain looped layer (`compat="authors"`, no timestep encoding): attention values come
+    from the un-normalised x, and there is no norm before the MLP. Same parameters and state-dict keys as `Layer`
+    (its `norm2` is an identity)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.norm2 = nn.Identity()
+
+    def forward(self, x: torch.Tensor, mod: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
+        x = x + self.attn.attend(self._qkv(self.norm1(x), x), mask, cache, slot)
+        return x + self.mlp(x)
+
+    def _qkv(self, xn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """q, k from the normalised `xn`, v from the raw `x`: [B,T,3·H·Dh]."""
+        w, b = self.attn.qkv.weight, self.attn.qkv.bias
+        inner = 2 * w.shape[0] // 3
+        qk = F.linear(xn, w[:inner], None if b is None else b[:inner])
+        v = F.linear(x, w[inner:], None if b is None else b[inner:])
+        return torch.cat([qk, v], dim=-1)
+
+
+def make_layer(cfg: ModelConfig) -> Layer:
+    """The layer of the configured block: the authors' looped layer for `compat="authors"` without timestep
+    encoding, the standard (TMLT when `timestep`) layer otherwise."""
+    return AuthorsLoopedLayer(cfg) if cfg.compat == "authors" and not cfg.timestep else Layer(cfg)
 
 
 def timestep_features(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:

@@ -7,9 +7,10 @@
 
 Shapes: B batch, T length, D width, R loops, k layers per block, C outputs, V vocabulary.
 The timestep modulations depend on t only, so they are computed once per forward for all R loops.
-"""
 
-from __future__ import annotations
+Annotations here are evaluated (no `from __future__ import annotations`): the Hugging Face mixin reads
+`config: ModelConfig` from `__init__` to rebuild the config from a checkpoint's config.json in `from_pretrained`.
+"""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -17,22 +18,14 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
 from torch.utils.checkpoint import checkpoint
 
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.model.diagnostics import is_timestep_param
 from loopformer.model.heads import Embed, Head
-from loopformer.model.layers import KVCache, Layer, RMSNorm, TimestepEmbedder
-
-# keys of a checkpoint's config.json that are not model fields (run settings, provenance)
-RESERVED_KEYS = ("run", "task", "loopformer_version", "source")
-
-try:  # from_pretrained / save_pretrained / push_to_hub on our checkpoint folders
-    from huggingface_hub import PyTorchModelHubMixin as _HubMixin
-except ImportError:  # pragma: no cover
-    class _HubMixin:  # type: ignore[no-redef]
-        pass
+from loopformer.model.layers import KVCache, RMSNorm, TimestepEmbedder, make_layer
 
 
 @dataclass
@@ -44,16 +37,12 @@ class LoopOutput:
     loops: int = 0                               # loops actually run (fewer than asked when halting early)
 
 
-class LoopedTransformer(nn.Module, _HubMixin):
+class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pretrained / push_to_hub
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if isinstance(config, dict):  # rebuilt from config.json by the hub mixin
-            from loopformer.configio import from_dict
-
-            config = from_dict(ModelConfig, {k: v for k, v in config.items() if k not in RESERVED_KEYS})
         self.config = cfg = config
         self.embed = Embed(cfg)                                                     # L1
-        self.blocks = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))        # TF (shared across loops)
+        self.blocks = nn.ModuleList(make_layer(cfg) for _ in range(cfg.n_layers))   # TF (shared across loops)
         with torch.random.fork_rng(devices=[]):   # drawing nothing here keeps the RNG stream of the common weights
             self.timestep = TimestepEmbedder(cfg) if cfg.timestep else None
         self.norm_f = RMSNorm(cfg.d_model, True, cfg.norm_eps) if cfg.final_norm else nn.Identity()
@@ -88,10 +77,7 @@ class LoopedTransformer(nn.Module, _HubMixin):
         if self.timestep is not None and self.timestep.table is not None:
             nn.init.normal_(self.timestep.table.weight, 0.0, 1.0)   # the sinusoid's scale: entries of size ~1
         for blk in self.blocks:
-            if blk.modulation is not None:
-                blk.modulation.weight.zero_()
-                blk.modulation.bias.zero_()
-                blk.modulation.bias[:2 * self.config.d_model].fill_(self.config.timestep_gate_init)  # γ1, γ2
+            blk.reset_modulation(self.config.timestep_gate_init)
 
     # ------------------------------------------------------------------ helpers
     def num_params(self, exclude_positions: bool = False) -> int:
@@ -115,9 +101,79 @@ class LoopedTransformer(nn.Module, _HubMixin):
         """[γ1, γ2, s1, s2] for every loop and layer at once: [R, k, 4, D] (None without timestep encoding)."""
         if self.timestep is None:
             return None
-        te = F.silu(self.timestep(torch.arange(loops, device=device)))                 # [R,D]
-        mods = torch.stack([blk.modulation(te) for blk in self.blocks], dim=1)        # [R,k,4D]
-        return mods.view(loops, len(self.blocks), 4, -1)
+        te = F.silu(self.timestep(torch.arange(loops, device=device)))                 # SiLU(TE(t)): [R,D]
+        return torch.stack([blk.loop_modulation(te) for blk in self.blocks], dim=1)   # [R,k,4,D]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, *, loops: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
+                return_all: bool = False, halt_tol: Optional[float] = None) -> LoopOutput:
+        """Run L1, then the block `loops` times, then L2.
+
+        x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
+        S = cached + T.  cache: from `new_cache` (generation; each loop reads its own slot).
+        return_all: also return every loop's hidden state and read-out.  halt_tol: stop looping (inference) once
+        every sequence's hidden state changes by less than this relative amount in one loop.
+        """
+        cfg = self.config
+        R = self._check_call(x, loops, cache, halt_tol)
+        past = cache.length if cache is not None else 0
+        mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
+        e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
+        mods = self._loop_modulations(R, x.device, cache)                              # [R,k,4,D] | None
+        grad = torch.is_grad_enabled()
+        grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
+        use_ckpt = cfg.checkpoint and grad and cache is None
+        h, states, ran = e, [], R
+        for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
+            if t > 0 and cfg.input_injection:
+                h = h + e
+            mods_t = None if mods is None else mods[t]
+            with torch.set_grad_enabled(grad and t >= grad_from):
+                if use_ckpt and t >= grad_from:
+                    h_new = checkpoint(self._block, h, mods_t, mask, None, t, use_reentrant=False)
+                else:
+                    h_new = self._block(h, mods_t, mask, cache, t)
+            h_prev, h = h, h_new
+            if return_all:
+                states.append(h)
+            if halt_tol is not None and t > 0 and self._settled(h_prev, h, halt_tol):
+                ran = t + 1
+                break
+        if cache is not None:
+            cache.length += x.shape[1]
+        return self._read_out(h, states if return_all else None, attn_mask, ran)         # L2
+
+    # ------------------------------------------------------------------ forward's parts
+    def _check_call(self, x: torch.Tensor, loops: Optional[int], cache: Optional[KVCache],
+                    halt_tol: Optional[float]) -> int:
+        """The loop count R of a call, after checking the call's arguments against each other and the model."""
+        cfg = self.config
+        R = cfg.loops if loops is None else int(loops)
+        if R < 1:
+            raise UserError(f"loops must be >= 1 (got {R})")
+        past = cache.length if cache is not None else 0
+        if cfg.pos == "learned" and past + x.shape[1] > cfg.max_len:
+            raise UserError(f"sequence length {past + x.shape[1]} exceeds the model's max_len {cfg.max_len}")
+        if cache is not None:
+            if cache.loops != R:
+                raise UserError(f"this cache was made for {cache.loops} loops, not {R}")
+            if halt_tol is not None:
+                raise UserError("halt_tol cannot be combined with a key/value cache")
+        return R
+
+    def _positions(self, x: torch.Tensor, positions: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                   past: int) -> Optional[torch.Tensor]:
+        """Learned positions of the new tokens: given, counted from the first real token under left padding, or
+        after the cached ones (None: 0..T-1)."""
+        if positions is not None or self.config.pos != "learned":
+            return positions
+        T = x.shape[1]
+        if attn_mask is not None:   # left padding: the first real token is position 0
+            return (attn_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + T]
+        if past:
+            return torch.arange(past, past + T, device=x.device)
+        return None
 
     def _mask(self, attn_mask: Optional[torch.Tensor], T: int, past: int, device) -> Optional[torch.Tensor]:
         """Boolean attention mask [B|1, 1, T, S] (True = may attend), or None for the fused causal/full path."""
@@ -134,78 +190,33 @@ class LoopedTransformer(nn.Module, _HubMixin):
             allowed = allowed & attn_mask.bool()[:, None, None, :]
         return allowed | (k == q)[None, None]   # a padded query still sees itself, so no row is empty
 
+    def _loop_modulations(self, loops: int, device: torch.device, cache: Optional[KVCache]) -> Optional[torch.Tensor]:
+        """`modulations` of this call; in generation (a cache, no gradients) computed once per cache."""
+        if cache is not None and not torch.is_grad_enabled():   # generation: same modulations for every token
+            if cache.mods is None:
+                cache.mods = self.modulations(loops, device)
+            return cache.mods
+        return self.modulations(loops, device)
+
     def _block(self, h: torch.Tensor, mods_t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
                cache: Optional[KVCache], t: int) -> torch.Tensor:
+        """TF(h, t): the block's k layers at loop t (layer i of loop t uses cache slot t·k + i)."""
         k = len(self.blocks)
         for i, blk in enumerate(self.blocks):
             h = blk(h, None if mods_t is None else mods_t[i], mask, cache, t * k + i)
         return h
 
-    # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, *, loops: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
-                return_all: bool = False, halt_tol: Optional[float] = None) -> LoopOutput:
-        """Run L1, then the block `loops` times, then L2.
+    @staticmethod
+    def _settled(h_prev: torch.Tensor, h: torch.Tensor, tol: float) -> bool:
+        """Whether every sequence's hidden state changed by less than `tol` (relative) in the last loop."""
+        change = (h - h_prev).flatten(1).norm(dim=1) / h_prev.flatten(1).norm(dim=1).clamp(min=1e-12)
+        return bool((change < tol).all())
 
-        x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
-        S = cached + T.  cache: from `new_cache` (generation; each loop reads its own slot).
-        return_all: also return every loop's hidden state and read-out.  halt_tol: stop looping (inference) once
-        every sequence's hidden state changes by less than this relative amount in one loop.
-        """
-        cfg = self.config
-        R = cfg.loops if loops is None else int(loops)
-        if R < 1:
-            raise UserError(f"loops must be >= 1 (got {R})")
-        T = x.shape[1]
-        past = cache.length if cache is not None else 0
-        if cfg.pos == "learned" and past + T > cfg.max_len:
-            raise UserError(f"sequence length {past + T} exceeds the model's max_len {cfg.max_len}")
-        if cache is not None:
-            if cache.loops != R:
-                raise UserError(f"this cache was made for {cache.loops} loops, not {R}")
-            if halt_tol is not None:
-                raise UserError("halt_tol cannot be combined with a key/value cache")
-        if positions is None and cfg.pos == "learned":
-            if attn_mask is not None:   # left padding: the first real token is position 0
-                positions = (attn_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + T]
-            elif past:
-                positions = torch.arange(past, past + T, device=x.device)
-        mask = self._mask(attn_mask, T, past, x.device)
-
-        e = self.embed(x, positions)                                                   # [B,T,D]
-        if cache is not None and not torch.is_grad_enabled():  # generation: same modulations for every token
-            if cache.mods is None:
-                cache.mods = self.modulations(R, x.device)
-            mods = cache.mods
-        else:
-            mods = self.modulations(R, x.device)                                       # [R,k,4,D] | None
-        grad = torch.is_grad_enabled()
-        first_grad = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0
-        use_ckpt = cfg.checkpoint and grad and cache is None
-        h, states, ran = e, [], R
-        for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
-            if t > 0 and cfg.input_injection:
-                h = h + e
-            mods_t = None if mods is None else mods[t]
-            with torch.set_grad_enabled(grad and t >= first_grad):
-                if use_ckpt and t >= first_grad:
-                    h_new = checkpoint(self._block, h, mods_t, mask, None, t, use_reentrant=False)
-                else:
-                    h_new = self._block(h, mods_t, mask, cache, t)
-            h_prev, h = h, h_new
-            if return_all:
-                states.append(h)
-            if halt_tol is not None and t > 0:
-                change = (h - h_prev).flatten(1).norm(dim=1) / h_prev.flatten(1).norm(dim=1).clamp(min=1e-12)
-                if bool((change < halt_tol).all()):
-                    ran = t + 1
-                    break
-        if cache is not None:
-            cache.length += T
-
-        logits = self.head(self.norm_f(h), attn_mask)
-        out = LoopOutput(logits=logits, hidden=h, loops=ran)
-        if return_all:
+    def _read_out(self, h: torch.Tensor, states: Optional[list[torch.Tensor]], attn_mask: Optional[torch.Tensor],
+                  ran: int) -> LoopOutput:
+        """L2 after the last loop (and after every loop when `states` holds them)."""
+        out = LoopOutput(logits=self.head(self.norm_f(h), attn_mask), hidden=h, loops=ran)
+        if states is not None:
             out.all_hidden = torch.stack(states)                                       # [R,B,T,D]
             out.all_logits = self.head(self.norm_f(out.all_hidden), attn_mask)         # [R,B,T,C]
         return out
