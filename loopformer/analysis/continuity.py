@@ -49,12 +49,15 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
 from loopformer import fileio
 from loopformer.errors import UserError
+from loopformer.model.diagnostics import modulation_stats
 from loopformer.model.maps import EmbeddingMap, LoopedEmbeddingMap
 from loopformer.text.corpus import perturb_tokens  # noqa: F401  (the perturbed corpus lives with the corpora)
+from loopformer.theory.moduli import estimate_modulus
 
 KINDS = ("sequence", "token", "contextual")
 
@@ -228,7 +231,6 @@ def jacobian_norm(fmap: EmbeddingMap, X: torch.Tensor, iters: int = 20, seed: in
     u) once more — the double-backward form of a forward-mode product. Attention runs on the math kernel, which
     supports double backward.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gen = torch.Generator(device=X.device).manual_seed(seed)
     X = X.detach().clone().requires_grad_(True)
@@ -252,7 +254,6 @@ def theory_moduli(fmap: EmbeddingMap, X: torch.Tensor, delta: float, samples: in
     """Worst-case moduli ω^kind(δ) over the box spanned by the sample embeddings X [B,T,D], by the estimators of
     `loopformer.theory.moduli` (random feasible pairs, then projected gradient ascent): certified lower bounds of
     the suprema of Definitions 3.3-3.5, reported as ω(δ)/δ. Inputs anywhere in the box, not only real tokens."""
-    from loopformer.theory.moduli import estimate_modulus
 
     T, D = X.shape[1], X.shape[2]
     lo, hi = float(X.min()), float(X.max())
@@ -429,7 +430,7 @@ def loopwise_markdown(reports: dict[str, ContinuityReport]) -> str:
 
 def plot(reports: dict[str, ContinuityReport], path: str | os.PathLike) -> None:
     """Ratio against noise scale, one panel per modulus; substitution as a marker, Lipschitz as a dotted line."""
-    import matplotlib
+    import matplotlib   # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -475,7 +476,6 @@ def continuity_of_checkpoint(model, tokens: np.ndarray, vocab_size: int, cfg: Co
     """Measure a `LoopedTransformer` on windows of a token split."""
     T = min(cfg.length, model.config.max_len) if model.config.pos == "learned" else cfg.length
     idx = sample_windows(tokens, cfg.samples, T, cfg.seed)
-    from loopformer.model.diagnostics import modulation_stats
 
     device = next(model.parameters()).device
     rep = measure_continuity(LoopedEmbeddingMap(model, loops, output), idx.to(device), vocab_size, cfg,

@@ -99,7 +99,7 @@ def to_markdown(res: dict[str, Any], trained: int) -> str:
 
 
 def plot_loops(res: dict[str, Any], trained: int, path: str | os.PathLike, title: str = "") -> None:
-    import matplotlib
+    import matplotlib   # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -145,7 +145,7 @@ def plot_loops(res: dict[str, Any], trained: int, path: str | os.PathLike, title
 
 
 def plot_training(curves: dict[str, list], path: str | os.PathLike, title: str = "") -> None:
-    import matplotlib
+    import matplotlib   # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -186,7 +186,7 @@ def _scale(metric: str):
 
 def plot_loops(runs: list[dict], path: str | os.PathLike) -> Path:
     """The metric against r, one line per variant, the standard Transformer(s) as dashed levels."""
-    import matplotlib
+    import matplotlib   # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -222,7 +222,7 @@ def plot_loops(runs: list[dict], path: str | os.PathLike) -> Path:
 
 def plot_loopwise(runs: list[dict], path: str | os.PathLike) -> Optional[Path]:
     """The metric after each loop t of every looped run, its trained r marked; None when no run has a curve."""
-    import matplotlib
+    import matplotlib   # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

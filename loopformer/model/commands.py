@@ -8,7 +8,12 @@ import time
 
 import torch
 
+from loopformer.configio import to_dict
 from loopformer.errors import UserError
+from loopformer.model.config import PRESETS
+from loopformer.model.convert import convert_file
+from loopformer.model.io import load
+from loopformer.model.looped import LoopedTransformer
 
 
 def _time_step(model: torch.nn.Module, cfg, batch: int, length: int, steps: int = 2) -> float:
@@ -32,8 +37,6 @@ def _time_step(model: torch.nn.Module, cfg, batch: int, length: int, steps: int 
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from loopformer.model import PRESETS, LoopedTransformer
-
     torch.manual_seed(0)
     names = args.names or list(PRESETS)
     rows = []
@@ -54,19 +57,13 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from loopformer.model.convert import convert_file
-
     out = convert_file(args.checkpoint, args.out, trust_pickle=args.trust_pickle)
     print(f"wrote {out}")
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from loopformer.model.io import load
-
     model = load(args.checkpoint)
-    from loopformer.configio import to_dict
-
     print(json.dumps({"variant": model.config.variant, "parameters": model.num_params(),
                       "config": to_dict(model.config)}, indent=2))
     return 0

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from loopformer.errors import UserError
+
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _HEADS = ("lm", "sequence", "regression")
 
@@ -153,7 +155,5 @@ PRESETS: dict[str, ModelConfig] = {
 def preset(name: str, **overrides) -> ModelConfig:
     """A named preset, optionally with fields replaced: `preset("reasoning", loops=16)`."""
     if name not in PRESETS:
-        from loopformer.errors import UserError
-
         raise UserError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     return PRESETS[name].replace(**overrides)

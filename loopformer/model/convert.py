@@ -26,6 +26,7 @@ import torch
 
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
+from loopformer.model.io import save_checkpoint
 from loopformer.model.looped import LoopedTransformer
 
 SUPPORTED = ("lt", "tmlt")
@@ -114,8 +115,6 @@ def read_authors_checkpoint(path: str | os.PathLike, trust_pickle: bool = False)
 
 def convert_file(path: str | os.PathLike, out: str | os.PathLike, trust_pickle: bool = False) -> Path:
     """`loopformer convert ckpt.pt --out DIR`: write a loopformer checkpoint folder."""
-    from loopformer.model.io import save_checkpoint
-
     ckpt = read_authors_checkpoint(path, trust_pickle)
     model, info = from_authors(ckpt)
     run = {k: v for k, v in (ckpt.get("config") or {}).items() if isinstance(v, (int, float, str, bool, type(None)))}

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from loopformer.errors import UserError
 
@@ -167,16 +168,11 @@ def interleave(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     b, n, d = xs.shape
     if tuple(ys.shape) != (b, n):
         raise ValueError(f"ys has shape {tuple(ys.shape)}, expected {(b, n)}")
-    try:
-        import torch
-
-        if isinstance(xs, torch.Tensor):
-            zs = xs.new_zeros((b, 2 * n, d + 1))
-            zs[:, 0::2, :d] = xs
-            zs[:, 1::2, d] = ys.to(xs.dtype)
-            return zs, torch.arange(0, 2 * n, 2, device=xs.device)
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(xs, torch.Tensor):
+        zs = xs.new_zeros((b, 2 * n, d + 1))
+        zs[:, 0::2, :d] = xs
+        zs[:, 1::2, d] = ys.to(xs.dtype)
+        return zs, torch.arange(0, 2 * n, 2, device=xs.device)
     zs = np.zeros((b, 2 * n, d + 1), dtype=np.result_type(xs.dtype, ys.dtype))
     zs[:, 0::2, :d] = xs
     zs[:, 1::2, d] = ys
@@ -231,7 +227,7 @@ def knn_baseline(xs: np.ndarray, ys: np.ndarray, k: int = 3) -> np.ndarray:
 
 def decision_tree_baseline(xs: np.ndarray, ys: np.ndarray, max_depth: int | None = 4) -> np.ndarray:
     """pred [B, n]: at position i, a CART regression tree (scikit-learn) fitted on pairs 0..i-1 (0 at i=0)."""
-    from sklearn.tree import DecisionTreeRegressor
+    from sklearn.tree import DecisionTreeRegressor   # heavy (about half a second): imported only for this baseline
 
     xs = np.asarray(xs, dtype=np.float64)
     ys = np.asarray(ys, dtype=np.float64)

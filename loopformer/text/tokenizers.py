@@ -19,6 +19,10 @@ import json
 import os
 from typing import Iterable, Iterator, Protocol, Sequence
 
+import tiktoken
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from loopformer.errors import UserError
 from loopformer.fileio import write_with
 
@@ -48,10 +52,6 @@ class GPT2Tokenizer:
     name = "gpt2"
 
     def __init__(self) -> None:
-        try:
-            import tiktoken
-        except ImportError:  # pragma: no cover - tiktoken is a core dependency
-            raise UserError("the gpt2 tokenizer needs tiktoken: pip install tiktoken") from None
         try:
             self._enc = tiktoken.get_encoding("gpt2")
         except Exception as exc:  # network errors, missing cache, corrupt cache
@@ -90,8 +90,6 @@ class ByteBPETokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "ByteBPETokenizer":
         """Learn merges on `texts` until the vocabulary holds `vocab_size` entries (bytes + merges + EOT)."""
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + 1:
             raise UserError(f"--vocab-size must be at least {len(alphabet) + 1} for a byte-level BPE "
@@ -108,8 +106,6 @@ class ByteBPETokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ByteBPETokenizer":
-        from tokenizers import Tokenizer as HFTokenizer
-
         if not os.path.isfile(path):
             raise UserError(f"tokenizer file not found: {path}")
         try:

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from loopformer.model import LoopedTransformer, ModelConfig
 from loopformer.theory.exact import LoopedNet
 
 HARDMAX_SCALE = 1e4
@@ -37,7 +38,6 @@ def _t(rows, dtype=torch.float64) -> torch.Tensor:
 
 
 def model_config(net: LoopedNet, hardmax_scale: float = HARDMAX_SCALE):
-    from loopformer.model import ModelConfig
     H = max(1, net.n_heads)
     blk = net.block
     scale = hardmax_scale if blk.attention == "hardmax" else float(blk.temperature)
@@ -50,7 +50,6 @@ def model_config(net: LoopedNet, hardmax_scale: float = HARDMAX_SCALE):
 @torch.no_grad()
 def assemble(net: LoopedNet, hardmax_scale: float = HARDMAX_SCALE):
     """A float64 `LoopedTransformer` holding the construction's weights (see the module docstring)."""
-    from loopformer.model import LoopedTransformer
     cfg = model_config(net, hardmax_scale)
     model = LoopedTransformer(cfg).to(torch.float64).eval()
     sd = model.state_dict()

@@ -8,11 +8,16 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 from loopformer.errors import UserError
 from loopformer.fileio import write_json, write_text
+from loopformer.theory.moduli import KINDS, estimate_modulus
+from loopformer.theory.rate import rate_experiment, write_rate
+from loopformer.theory.targets import check_target, checkpoint_target, load_target
+from loopformer.theory.verify import SECTIONS, format_table, run_verify
 
 
 def _ints(text: str) -> list[int]:
@@ -26,7 +31,6 @@ def _ints(text: str) -> list[int]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from loopformer.theory.verify import SECTIONS, format_table, run_verify
     names = [s[0] for s in SECTIONS]
     if args.section:
         unknown = [s for s in args.section if s not in names]
@@ -45,8 +49,6 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _rate(args: argparse.Namespace) -> int:
-    from loopformer.theory.rate import rate_experiment, write_rate
-    from loopformer.theory.targets import check_target, load_target
     if args.N < 1 or args.d < 1:
         raise UserError("N and d must be >= 1")
     deltas = _ints(args.deltas)
@@ -71,11 +73,6 @@ def _rate(args: argparse.Namespace) -> int:
 
 
 def _modulus(args: argparse.Namespace) -> int:
-    import math
-
-    from loopformer.theory.moduli import KINDS, estimate_modulus
-    from loopformer.theory.targets import check_target, checkpoint_target, load_target
-
     kinds = list(KINDS) if args.kind == "all" else [args.kind]
     if args.N < 1 or args.d < 1:
         raise UserError("N and d must be >= 1")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 KINDS = ("seq", "cont", "tok")
 
@@ -67,7 +68,6 @@ def _project(X, D, mask, delta, lo, hi, xp):
         nrm = np.sqrt((D ** 2).reshape(len(D), -1).sum(1))[:, None, None]
         D = np.where(nrm > delta, D * (delta / np.maximum(nrm, 1e-300)), D)
         return X, np.clip(X + D, lo, hi)
-    import torch
     X = X.clamp(lo, hi)
     D = D * mask
     nrm = D.flatten(1).norm(dim=1)[:, None, None]
@@ -108,7 +108,6 @@ def estimate_modulus(f: Callable, delta: float, kind: str, d: int, N: int, p: fl
         keep_X.append(X[top]); keep_D.append((Xp - X)[top]); keep_n.append(n[top]); keep_v.append(v[top])
     if steps > 0 and use_grad is not False:
         try:
-            import torch
             Xs, Ds = np.concatenate(keep_X), np.concatenate(keep_D)
             ns, vs = np.concatenate(keep_n), np.concatenate(keep_v)
             top = np.argsort(-vs)[:restarts]

@@ -19,6 +19,8 @@ from fractions import Fraction
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
 from loopformer.fileio import write_figure, write_with
 from loopformer.theory.bounds import delta_from_loops, duplicate_measure, radii, theorem_bound, trifling_measure
@@ -29,12 +31,8 @@ from loopformer.theory.moduli import estimate_modulus
 
 def default_target(X):
     """A permutation-equivariant target on [0,1]^{d×N}: f(X)_{:,n} = sin(2 x_n + Σ_j x_j) / 2 (numpy or torch)."""
-    try:
-        import torch
-        if isinstance(X, torch.Tensor):
-            return torch.sin(2 * X + X.sum(-1, keepdim=True)) / 2
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(X, torch.Tensor):
+        return torch.sin(2 * X + X.sum(-1, keepdim=True)) / 2
     X = np.asarray(X, dtype=np.float64)
     return np.sin(2 * X + X.sum(-1, keepdims=True)) / 2
 
@@ -138,7 +136,6 @@ def measure_point(delta_inv: int, N: int = 2, d: int = 1, f: Callable = default_
 
 def rate_experiment(delta_invs: Sequence[int] = (2, 3, 4, 5), N: int = 2, d: int = 1, f: Callable = default_target,
                     p: float = 2.0, samples: int = 20000, seed: int = 0, progress: bool = True) -> list[RatePoint]:
-    from tqdm import tqdm
     it = tqdm(list(delta_invs), desc="theory rate", unit="δ^-1", disable=not progress)
     return [measure_point(m, N, d, f, p, samples, seed) for m in it]
 
@@ -155,7 +152,7 @@ def write_rate(points: list[RatePoint], out_dir: str) -> tuple[str, str]:
                 w.writerow(asdict(pt))
 
     write_with(csv_path, write_csv)
-    import matplotlib
+    import matplotlib   # heavy: imported only when a plot is drawn
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     r = [pt.loops for pt in points]

@@ -15,9 +15,13 @@ from fractions import Fraction
 from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
+from tqdm import tqdm
 
 from loopformer.theory import constructions as C
+from loopformer.theory.assemble import assemble, run_assembled
+from loopformer.theory.compose import composed_network, contextual_labels
 from loopformer.theory.exact import LoopedNet, evaluate
+from loopformer.theory.rate import default_target, measure_point
 
 F = Fraction
 
@@ -296,7 +300,6 @@ def rows_exact_memorization(name: str, y, full: bool = True) -> Iterator[Row]:
 
 
 def rows_composed(cases=((2, 2, 1), (3, 2, 1), (2, 2, 2)), samples: int = 4000) -> Iterator[Row]:
-    from loopformer.theory.rate import measure_point
     for m, N, d in cases:
         pt = measure_point(m, N, d, samples=samples, extra_points=0, moduli_samples=1024, moduli_steps=30)
         sz = f"D={pt.width}, q={pt.ff_width}, 2h×1"
@@ -314,7 +317,6 @@ def rows_composed(cases=((2, 2, 1), (3, 2, 1), (2, 2, 2)), samples: int = 4000) 
 
 def rows_id_sets() -> Iterator[Row]:
     """Eq. 39–42: valid and dummy sequence IDs should partition {0..2δ^-Nd − 1}."""
-    from loopformer.theory.compose import contextual_labels
     for m, d, N in [(2, 1, 2), (3, 1, 2), (2, 2, 2)]:
         base = m ** d
         valid = {C.extended_sequence_id(z, m, d) for z in itertools.combinations(range(base), N)}
@@ -331,10 +333,6 @@ def rows_id_sets() -> Iterator[Row]:
 
 def rows_assemble() -> Iterator[Row]:
     """The float64 LoopedTransformer holding the weights reproduces the exact outputs."""
-    from loopformer.theory.assemble import assemble, run_assembled
-    from loopformer.theory.compose import composed_network
-    from loopformer.theory.rate import default_target
-
     def gap(net, Xs):
         model = assemble(net)
         got = run_assembled(model, net, [[[float(v) for v in tok] for tok in X] for X in Xs])
@@ -375,7 +373,6 @@ SECTIONS: list[tuple[str, Callable[[], Iterator[Row]]]] = [
 
 
 def run_verify(sections=None, progress: bool = True) -> list[Row]:
-    from tqdm import tqdm
     chosen = [s for s in SECTIONS if sections is None or s[0] in sections]
     rows: list[Row] = []
     with tqdm(total=len(chosen), desc="theory verify", unit="section", disable=not progress) as bar:
