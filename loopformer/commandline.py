@@ -1,5 +1,10 @@
 """Pieces shared by the sub-command modules (`*/commands.py`), so every command reads its arguments one way.
 
+    add_group      a command group (`data`, `text`, `theory`, `analyze`): given without an action it prints its
+                   help and exits with status 2
+    add_device     --device: auto (CUDA, then Apple MPS, then CPU), cpu, cuda, cuda:N or mps
+    add_quiet      --quiet (alias --no-progress): no progress bars
+    add_rows       -n / --n N: only the first N rows
     split_items    CONFIG [key=value ...]: the config file and the dotted overrides of `train` / `sweep`
     intermixed     let key=value overrides come before or after the options
 """
@@ -10,6 +15,36 @@ import argparse
 from typing import Optional
 
 from loopformer.errors import UserError
+from loopformer.fileio import check_device
+
+
+def add_group(subparsers, name: str, help: str, description: Optional[str] = None, metavar: str = "ACTION"):
+    """A command group's parser; returns its sub-parsers. Without an action the group prints its help, exit 2."""
+    group = subparsers.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".")
+    group.set_defaults(func=lambda args: (group.print_help(), 2)[1])
+    return group.add_subparsers(dest=f"{name}_command", metavar=metavar)
+
+
+def _device(text: str) -> str:
+    try:
+        return check_device(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_device(parser: argparse.ArgumentParser, default: Optional[str] = "auto") -> None:
+    """--device; `default=None` leaves the choice to the run config."""
+    where = "the config's `device`" if default is None else default
+    parser.add_argument("--device", type=_device, default=default, metavar="DEVICE",
+                        help=f"auto (CUDA, then Apple MPS, then CPU), cpu, cuda, cuda:N or mps (default: {where})")
+
+
+def add_quiet(parser: argparse.ArgumentParser, help: str = "no progress bars") -> None:
+    parser.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help=help)
+
+
+def add_rows(parser: argparse.ArgumentParser, default: int, help: str) -> None:
+    parser.add_argument("-n", "--n", dest="n", type=int, default=default, metavar="N", help=help)
 
 
 def split_items(items: list[str], config_required: bool) -> tuple[Optional[str], list[str]]:

@@ -48,9 +48,9 @@ def test_prepare_cli(tmp_path, capsys):
     assert main(args) == 0 and "prepared" in capsys.readouterr().out
     assert main(args) == 0 and "up to date" in capsys.readouterr().out
     assert main(args[:-3] + ["--vocab-size", "300", "--quiet"]) == 2
-    one_line_error(capsys, "--force")
+    one_line_error(capsys, "force")
     assert main(args + ["--perturb", "1.5"]) == 2
-    one_line_error(capsys, "--perturb")
+    one_line_error(capsys, "perturb")
     assert main(["text"]) == 2
 
 
@@ -93,4 +93,4 @@ def test_generate_cli(setup, capsys):
     assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--max-new-tokens", "100"]) == 2
     one_line_error(capsys, "context")
     assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--top-p", "2"]) == 2
-    one_line_error(capsys, "--top-p")
+    one_line_error(capsys, "top_p")

@@ -21,6 +21,7 @@ import os
 
 from loopformer.analysis import continuity
 from loopformer.analysis.dynamics import analyze_dynamics
+from loopformer.commandline import add_device, add_group, add_quiet, add_rows
 from loopformer.errors import UserError
 from loopformer.fileio import pick_device
 from loopformer.model.io import load
@@ -28,9 +29,7 @@ from loopformer.text.dataset import TokenCorpus
 
 
 def register(subparsers) -> None:
-    an = subparsers.add_parser("analyze", help="measurements on trained models",
-                               description="Measurements on trained models.")
-    sub = an.add_subparsers(dest="analyze_command", metavar="ANALYSIS")
+    sub = add_group(subparsers, "analyze", "measurements on trained models", metavar="ANALYSIS")
     p = sub.add_parser("continuity", help="continuity coefficients of output vs input embeddings",
                        description="How far the output embeddings move per unit of input perturbation (Gaussian "
                                    "noise on the input embeddings, single-token substitutions, local Lipschitz "
@@ -52,8 +51,8 @@ def register(subparsers) -> None:
                    help="output embeddings: the last residual stream (hidden) or after the final norm")
     p.add_argument("--loops", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--quiet", action="store_true")
+    add_device(p)
+    add_quiet(p)
     p.set_defaults(func=_continuity)
     q = sub.add_parser("dynamics", help="per-loop gates, update sizes, read-outs and settle loops of a model",
                        description="Whether the loop is used and the timestep modulation alive: per loop t the "
@@ -64,11 +63,10 @@ def register(subparsers) -> None:
     q.add_argument("path", metavar="RUN|CHECKPOINT")
     q.add_argument("--out", default=None, metavar="DIR", help="where the outputs go (default: PATH/dynamics)")
     q.add_argument("--max-loops", type=int, default=0, help="loops measured (0: twice the trained loops)")
-    q.add_argument("-n", "--n", type=int, default=500, dest="n", help="test rows measured (0: all)")
+    add_rows(q, 500, "test rows measured (0: all)")
     q.add_argument("--batch-size", type=int, default=250)
-    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    add_device(q)
     q.set_defaults(func=_dynamics)
-    an.set_defaults(func=lambda args: (an.print_help(), 2)[1])
 
 
 def _parse_scales(text: str) -> tuple[float, ...]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
 import yaml
 
+from loopformer.commandline import add_group, add_quiet, add_rows
 from loopformer.data.dataset import open_dataset, read_manifest, write_dataset, write_splits
 from loopformer.errors import UserError
 from loopformer.tasks import TASKS, get_task
@@ -51,7 +53,14 @@ def parse_options(pairs: list[str] | None) -> dict:
     return out
 
 
+def _check_out(out: str, force: bool) -> None:
+    """The output folder must be empty or absent unless --force (checked before any work)."""
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise UserError(f"output folder is not empty: {out} (pass --force to replace it)")
+
+
 def _gen(args) -> int:
+    _check_out(args.out, args.force)
     task = get_task(args.task, **parse_options(args.opt))
     t0 = time.perf_counter()
     manifest = write_dataset(args.out, task, args.train, args.test, seed=args.seed, workers=args.workers,
@@ -84,6 +93,7 @@ def _show(args) -> int:
 
 
 def _import(args) -> int:
+    _check_out(args.out, args.force)
     t0 = time.perf_counter()
     task, splits, provenance = import_csv(args.csv, args.layout, n_test=args.test, n_train=args.train,
                                           seed=args.seed, min_difficulty=args.min_difficulty)
@@ -97,10 +107,8 @@ def _import(args) -> int:
 
 
 def register(subparsers) -> None:
-    data = subparsers.add_parser("data", help="generate, inspect and import task datasets",
-                                 description="Generate, inspect and import datasets of the paper's tasks.")
-    sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
-    data.set_defaults(func=lambda a: (data.print_help(), 2)[1])
+    sub = add_group(subparsers, "data", "generate, inspect and import task datasets",
+                    "Generate, inspect and import datasets of the paper's tasks.")
 
     gen = sub.add_parser("gen", help="generate a dataset folder",
                          description="Generate distinct train/test samples of a task into a dataset folder.")
@@ -114,14 +122,14 @@ def register(subparsers) -> None:
                      help="task options, e.g. --opt length=60 alphabet_max=10")
     gen.add_argument("--chunk-size", type=int, default=None, help="rows per generation chunk (changes the data)")
     gen.add_argument("--force", action="store_true", help="replace a non-empty output folder")
-    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_quiet(gen)
     gen.set_defaults(func=_gen)
 
     show = sub.add_parser("show", help="print decoded examples of a dataset",
                           description="Print a dataset's manifest summary and decoded examples.")
     show.add_argument("dir", help="dataset folder")
     show.add_argument("--split", default="test")
-    show.add_argument("-n", type=int, default=5, help="number of examples")
+    add_rows(show, 5, "number of examples")
     show.add_argument("--verify", action="store_true", help="check the SHA-256 of every array")
     show.set_defaults(func=_show)
 

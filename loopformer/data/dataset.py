@@ -121,7 +121,7 @@ def _collect(task, n: int, seed: int, split: str, chunk: int, pool, seen: set, e
                 break
         if have < n and generated >= 20 * n + 10 * chunk:
             raise UserError(f"only {have} distinct {split} samples found among {generated} generated: the task "
-                            f"options {task.options()} allow too few distinct samples for --{split} {n}")
+                            f"options {task.options()} allow too few distinct samples for {n} {split} samples")
     if not parts:
         empty = task.generate(0, seed, split)
         return {key: v[:0] for key, v in empty.items()}
@@ -139,7 +139,7 @@ def write_splits(out_dir: str | os.PathLike, task, splits: dict[str, dict[str, n
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"output path exists and is not a folder: {out_dir}")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise UserError(f"output folder is not empty: {out_dir} (pass --force to replace it)")
+        raise UserError(f"output folder is not empty: {out_dir} (overwrite replaces it)")
     tok = _token_dtype(task)
     with new_folder(out_dir) as tmp:
         arrays: dict[str, dict] = {}

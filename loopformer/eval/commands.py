@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loopformer.commandline import add_device, add_quiet, add_rows
 from loopformer.configio import from_dict
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import MAX_LOOPS, check_eval_args, evaluate, format_results
@@ -14,7 +15,7 @@ from loopformer.sources import TaskConfig, make_data
 
 
 def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | None = None, device: str = "auto",
-                        limit: int = 0, batch_size: int = 256, loopwise: bool = True) -> dict:
+                        limit: int = 0, batch_size: int = 256, loopwise: bool = True, progress: bool = True) -> dict:
     """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise)."""
     check_eval_args(None, None, batch_size, limit)
     p = Path(path)
@@ -32,7 +33,7 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     r = loops or model.config.loops
     cap = max(MAX_LOOPS, 2 * model.config.loops)
     res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, cap) if loopwise else 0),
-                   batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=True)
+                   batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=progress)
     res["checkpoint"] = str(p)
     res["trained_loops"] = model.config.loops
     return res
@@ -46,8 +47,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise UserError(f"--json {args.json}: folder {parent} does not exist")
         if Path(args.json).is_dir():
             raise UserError(f"--json {args.json} is a folder")
-    res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device or "auto", args.n,
-                              args.batch_size, loopwise=not args.no_loopwise)
+    res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device, args.n, args.batch_size,
+                              loopwise=not args.no_loopwise, progress=not args.quiet)
     print(f"checkpoint: {res['checkpoint']} (trained with r = {res['trained_loops']}; evaluated at r = "
           f"{res['loops']})")
     print(format_results(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"]))
@@ -65,10 +66,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-loops", type=int, help="loop-wise curve up to this many loops (default: 2 × loops; "
                                                  "at most 1024)")
     p.add_argument("--no-loopwise", action="store_true", help="only the metrics at --loops")
-    p.add_argument("--n", type=int, default=0, help="only the first N test rows")
+    add_rows(p, 0, "only the first N test rows (0: all)")
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
+    add_device(p)
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    add_quiet(p, "no progress bar")
     p.set_defaults(func=cmd_eval)
 
 

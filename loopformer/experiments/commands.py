@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from loopformer.commandline import intermixed, split_items
+from loopformer.commandline import add_device, add_quiet, intermixed, split_items
 from loopformer.errors import UserError
 from loopformer.experiments.demo import run_demo
 from loopformer.experiments.report import write_report
@@ -53,8 +53,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per run (0: torch's default)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--quiet", action="store_true")
+    add_device(p, default=None)
+    add_quiet(p)
     p.set_defaults(func=cmd_sweep)
     intermixed(p)
 

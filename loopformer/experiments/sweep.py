@@ -49,11 +49,11 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     grid = []
     for item in items:
         if "=" not in item:
-            raise UserError(f"--grid entry {item!r} is not of the form key=v1,v2,...")
+            raise UserError(f"grid entry {item!r} is not of the form key=v1,v2,...")
         key, vals = item.split("=", 1)
         values = [v.strip() for v in vals.split(",") if v.strip()]
         if not key or not values:
-            raise UserError(f"--grid entry {item!r} needs a key and at least one value")
+            raise UserError(f"grid entry {item!r} needs a key and at least one value")
         grid.append((key.strip(), values))
     return grid
 
@@ -136,7 +136,7 @@ def run_sweep(config: Optional[str], grid: list[tuple[str, list[str]]], baseline
     overrides = list(overrides)
     for ov in overrides:
         if ov.split("=", 1)[0] in ("out_dir", "name"):
-            raise UserError("out_dir and name are set per run by the sweep; use --out for the sweep folder")
+            raise UserError("out_dir and name are set per run by the sweep; the sweep folder is `out`")
     specs = expand(grid, baseline, out)
     _prepare(config, specs, overrides)
     out.mkdir(parents=True, exist_ok=True)

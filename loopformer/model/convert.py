@@ -109,7 +109,7 @@ def read_authors_checkpoint(path: str | os.PathLike, trust_pickle: bool = False)
         return torch.load(p, map_location="cpu", weights_only=not trust_pickle)
     except Exception as exc:  # unpickling errors, truncated files
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = "" if trust_pickle else " (if you trust the file, retry with --trust-pickle)"
+        hint = "" if trust_pickle else " (if you trust the file, retry with trust_pickle)"
         raise UserError(f"cannot read {p}: {first[:200]}{hint}") from None
 
 

@@ -2,9 +2,9 @@
 
     loopformer text prepare {wikitext103,plays,plays:NAME,...,FILE_OR_DIR} --out DIR [--tokenizer gpt2|bpe]
                             [--vocab-size N] [--perturb 0.1] [--seed S] [--force]
-    loopformer perplexity CKPT --data DIR [--split val] [--stride S] [--estimate]
-    loopformer generate CKPT --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N] [--temperature T]
-                        [--top-k K] [--top-p P] [--seed S]
+    loopformer [text] perplexity CKPT --data DIR [--split val] [--stride S] [--estimate]
+    loopformer [text] generate CKPT --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N] [--temperature T]
+                               [--top-k K] [--top-p P] [--seed S]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Optional
 
+from loopformer.commandline import add_device, add_group, add_quiet
 from loopformer.errors import UserError
 from loopformer.fileio import pick_device, write_json
 from loopformer.model.io import load, read_config
@@ -23,10 +24,9 @@ from loopformer.text.perplexity import estimate_perplexity, perplexity
 
 
 def register(subparsers) -> None:
-    # ---- text prepare
-    text = subparsers.add_parser("text", help="language-modelling corpora", description="Language-modelling corpora.")
-    text_sub = text.add_subparsers(dest="text_command", metavar="ACTION")
-    p = text_sub.add_parser(
+    sub = add_group(subparsers, "text", "language-modelling corpora, perplexity and sampling",
+                    "Language-modelling corpora, perplexity and sampling.")
+    p = sub.add_parser(
         "prepare", help="tokenise a corpus into train/val/test token files",
         description="Tokenise a corpus into DIR/{train,val,test}.bin with a manifest (re-running is a no-op). "
                     "SOURCE: wikitext103 (needs `pip install loopformer[text]`), plays (the Shakespeare plays "
@@ -43,13 +43,18 @@ def register(subparsers) -> None:
     p.add_argument("--val-fraction", type=float, default=0.05, help="file sources: share of each document for val")
     p.add_argument("--test-fraction", type=float, default=0.05, help="file sources: share for test")
     p.add_argument("--force", action="store_true", help="rebuild even if DIR holds a different corpus")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_quiet(p)
     p.set_defaults(func=_prepare)
-    text.set_defaults(func=lambda args: _need_action(text))
+    # `perplexity` and `generate` are text actions, also reachable without `text` (the spelling scripts use)
+    for parent, help_suffix in ((sub, ""), (subparsers, " (also `text perplexity`)")):
+        _perplexity_parser(parent, help_suffix)
+    for parent, help_suffix in ((sub, ""), (subparsers, " (also `text generate`)")):
+        _generate_parser(parent, help_suffix)
 
-    # ---- perplexity
-    p = subparsers.add_parser(
-        "perplexity", help="perplexity of a checkpoint over a whole split",
+
+def _perplexity_parser(parent, help_suffix: str) -> None:
+    p = parent.add_parser(
+        "perplexity", help="perplexity of a checkpoint over a whole split" + help_suffix,
         description="Perplexity over every token of a split, in non-overlapping windows (default) or strided "
                     "sliding windows (--stride); --estimate adds the authors' random-batch estimate, labelled.")
     p.add_argument("checkpoint", metavar="CKPT")
@@ -62,14 +67,15 @@ def register(subparsers) -> None:
     p.add_argument("--estimate", action="store_true", help="also the authors' estimate (random batches)")
     p.add_argument("--estimate-iters", type=int, default=200)
     p.add_argument("--seed", type=int, default=0, help="seed of the estimate's batches")
-    p.add_argument("--device", default=None)
+    add_device(p)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--quiet", action="store_true")
+    add_quiet(p)
     p.set_defaults(func=_perplexity)
 
-    # ---- generate
-    p = subparsers.add_parser("generate", help="sample text from a checkpoint",
-                              description="Continue one or more prompts (batched, key/value cache per loop).")
+
+def _generate_parser(parent, help_suffix: str) -> None:
+    p = parent.add_parser("generate", help="sample text from a checkpoint" + help_suffix,
+                          description="Continue one or more prompts (batched, key/value cache per loop).")
     p.add_argument("checkpoint", metavar="CKPT")
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -81,13 +87,8 @@ def register(subparsers) -> None:
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the prepared corpus whose tokenizer to use (default: the one the checkpoint was trained on)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
-    p.add_argument("--device", default=None)
+    add_device(p)
     p.set_defaults(func=_generate)
-
-
-def _need_action(parser) -> int:
-    parser.print_help()
-    return 2
 
 
 def _prepare(args) -> int:

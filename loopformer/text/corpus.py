@@ -73,15 +73,15 @@ class PrepareOptions:
 
     def __post_init__(self) -> None:
         if self.tokenizer not in ("auto", "gpt2", "bpe"):
-            raise UserError(f"--tokenizer must be gpt2 or bpe (got {self.tokenizer!r})")
+            raise UserError(f"tokenizer must be gpt2 or bpe (got {self.tokenizer!r})")
         if self.tokenizer == "bpe" and self.vocab_size < 257 + 1:
-            raise UserError(f"--vocab-size must be at least 258 for a byte-level BPE (got {self.vocab_size})")
+            raise UserError(f"vocab_size must be at least 258 for a byte-level BPE (got {self.vocab_size})")
         for name in ("val_fraction", "test_fraction"):
             v = getattr(self, name)
             if not 0.0 <= v < 0.5:
                 raise UserError(f"{name.replace('_', '-')} must be in [0, 0.5) (got {v})")
         if not 0.0 <= self.perturb < 1.0:
-            raise UserError(f"--perturb must be in [0, 1) (got {self.perturb})")
+            raise UserError(f"perturb must be in [0, 1) (got {self.perturb})")
 
 
 # ----------------------------------------------------------------------------------------------------------- sources
@@ -410,7 +410,7 @@ def _prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareO
     record = _options_record(src, opts, tok_kind)
     out = os.fspath(out)
     if os.path.exists(out) and not os.path.isdir(out):
-        raise UserError(f"--out {out} exists and is not a folder")
+        raise UserError(f"{out} exists and is not a folder")
     os.makedirs(out, exist_ok=True)
 
     if os.path.isfile(os.path.join(out, MANIFEST)):
@@ -421,12 +421,12 @@ def _prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareO
                 log(f"{out}: up to date ({_summary(old)})")
                 return old
             if not force:
-                raise UserError(f"{out}: {problems[0]}; re-run with --force to rebuild it")
+                raise UserError(f"{out}: {problems[0]}; rebuild it with force")
         elif not force:
             diff = sorted(k for k in set(record) | set(old.get("options", {}))
                           if record.get(k) != old.get("options", {}).get(k))
             raise UserError(f"{out} holds a corpus prepared with other options ({', '.join(diff)}); "
-                            "choose another --out or pass --force")
+                            "choose another output folder or rebuild it with force")
 
     tmp = tempfile.mkdtemp(dir=out, prefix=".prepare-")
     try:

@@ -42,15 +42,15 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+            raise UserError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise UserError(f"temperature must be a finite number >= 0 (got {self.temperature})")
         if self.top_k is not None and self.top_k < 1:
-            raise UserError(f"--top-k must be >= 1 (got {self.top_k})")
+            raise UserError(f"top_k must be >= 1 (got {self.top_k})")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
+            raise UserError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.loops is not None and self.loops < 1:
-            raise UserError(f"--loops must be >= 1 (got {self.loops})")
+            raise UserError(f"loops must be >= 1 (got {self.loops})")
 
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> torch.Tensor:

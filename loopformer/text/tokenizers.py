@@ -57,7 +57,7 @@ class GPT2Tokenizer:
         except Exception as exc:  # network errors, missing cache, corrupt cache
             raise UserError(
                 "the GPT-2 BPE files could not be loaded (tiktoken downloads them once; "
-                f"{type(exc).__name__}); put them in TIKTOKEN_CACHE_DIR or use --tokenizer bpe") from None
+                f"{type(exc).__name__}); put them in TIKTOKEN_CACHE_DIR or use the bpe tokenizer") from None
         self.vocab_size = int(self._enc.n_vocab)   # 50257
         self.eot_id = int(self._enc.eot_token)     # 50256
 
@@ -92,10 +92,10 @@ class ByteBPETokenizer:
         """Learn merges on `texts` until the vocabulary holds `vocab_size` entries (bytes + merges + EOT)."""
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + 1:
-            raise UserError(f"--vocab-size must be at least {len(alphabet) + 1} for a byte-level BPE "
+            raise UserError(f"vocab_size must be at least {len(alphabet) + 1} for a byte-level BPE "
                             f"(got {vocab_size})")
         if vocab_size > 2 ** 32:
-            raise UserError(f"--vocab-size {vocab_size} is too large")
+            raise UserError(f"vocab_size {vocab_size} is too large")
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 
+from loopformer.commandline import add_group, add_quiet
 from loopformer.errors import UserError
 from loopformer.fileio import write_json, write_text
 from loopformer.theory.moduli import KINDS, estimate_modulus
@@ -36,7 +37,7 @@ def _verify(args: argparse.Namespace) -> int:
         unknown = [s for s in args.section if s not in names]
         if unknown:
             raise UserError(f"unknown section {unknown[0]!r}; choose from: {', '.join(names)}")
-    rows = run_verify(args.section or None, progress=not args.no_progress)
+    rows = run_verify(args.section or None, progress=not args.quiet)
     table = format_table(rows)
     print(table)
     failed = [r for r in rows if not r.passed]
@@ -61,7 +62,7 @@ def _rate(args: argparse.Namespace) -> int:
     f = load_target(args.target)
     check_target(f, args.d, args.N, f"target {args.target!r}")
     points = rate_experiment(deltas, args.N, args.d, f=f, p=args.p, samples=args.samples, seed=args.seed,
-                             progress=not args.no_progress)
+                             progress=not args.quiet)
     csv_path, png_path = write_rate(points, args.out)
     print("| δ⁻¹ | loops r | bits | L^p error (distinct) | L^p error (all) | bound (δ=1/δ⁻¹) | δ(r) | bound at δ(r) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -119,12 +120,11 @@ def _modulus(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("theory", help="run the paper's constructions exactly; the approximation-rate bound")
-    sub = p.add_subparsers(dest="theory_command", metavar="SUBCOMMAND")
+    sub = add_group(subparsers, "theory", "run the paper's constructions exactly; the approximation-rate bound")
     v = sub.add_parser("verify", help="every construction on a table of cases, as printed and repaired")
     v.add_argument("--section", action="append", help="run only this section (repeatable), e.g. 'Lemma A.9'")
     v.add_argument("--out", help="also write the markdown table to this file")
-    v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quiet(v)
     v.set_defaults(func=_verify)
     r = sub.add_parser("rate", help="Theorem 3.6: measured L^p error and bound against loops (PNG + CSV)")
     r.add_argument("--out", required=True, help="output directory for rate.csv and rate.png")
@@ -137,7 +137,7 @@ def register(subparsers) -> None:
     r.add_argument("--target", default="default",
                    help="the function f to approximate: default (sin(2x_n + Σx)/2), identity, sum, or "
                         "package.module:function mapping an array [..., d, N] to the same shape")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quiet(r)
     r.set_defaults(func=_rate)
     m = sub.add_parser("modulus", help="Definitions 3.3–3.5: lower-bound the moduli of continuity of a target or "
                                        "a trained checkpoint")
@@ -161,4 +161,3 @@ def register(subparsers) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--out", default=None, help="also write the estimates and attaining pairs as JSON")
     m.set_defaults(func=_modulus)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from loopformer.commandline import intermixed, split_items
+from loopformer.commandline import add_device, add_quiet, intermixed, split_items
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import format_results
 from loopformer.train.config import load_run_config
@@ -37,8 +37,8 @@ def register(subparsers) -> None:
                                           "launch with torchrun --nproc_per_node=N for data parallelism.")
     p.add_argument("items", nargs="*", metavar="CONFIG [key=value ...]")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR (its run folder or checkpoint)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    add_device(p, default=None)
+    add_quiet(p, "no progress bar or summary")
     p.set_defaults(func=cmd_train)
     intermixed(p)
 

@@ -169,8 +169,8 @@ def prepare(run_dir: Path, resume: bool) -> None:
     if resume and not has_training_state(ckpt_dir):
         raise UserError(f"cannot resume: {ckpt_dir} holds no training state")
     if not resume and (ckpt_dir.exists() or (run_dir / RESULTS_FILE).exists()):
-        raise UserError(f"{run_dir} already holds a run: resume it with --resume {run_dir} or choose another "
-                        f"out_dir")
+        raise UserError(f"{run_dir} already holds a run: resume it (train with resume, `loopformer train --resume "
+                        f"{run_dir}`) or choose another out_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
