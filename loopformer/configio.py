@@ -24,7 +24,8 @@ T = TypeVar("T")
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"   # the YAML configs shipped with the package
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """The first line of an OmegaConf / YAML error, with the offending key when it names one."""
     msg = str(exc).strip().splitlines()
     first = msg[0] if msg else type(exc).__name__
     # OmegaConf appends "full_key: ..." lines; keep the key, it is the most useful part.
@@ -44,7 +45,7 @@ def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] 
         try:
             layer = OmegaConf.load(path)
         except Exception as exc:  # yaml errors, unreadable or non-UTF-8 files
-            raise UserError(f"cannot parse config {path}: {_one_line(exc)}") from None
+            raise UserError(f"cannot parse config {path}: {one_line(exc)}") from None
         if not isinstance(layer, DictConfig):
             raise UserError(f"config {path} must hold key: value pairs at the top level (it holds a list)")
         layers.append(layer)
@@ -56,7 +57,7 @@ def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] 
         try:
             layers.append(OmegaConf.from_dotlist(overrides))
         except (OmegaConfBaseException, ValueError, TypeError) as exc:   # e.g. a.b=1 after a=[1, 2]
-            raise UserError(f"bad override: {_one_line(exc)}") from None
+            raise UserError(f"bad override: {one_line(exc)}") from None
     return layers
 
 
@@ -79,9 +80,9 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
     except UserError:
         raise
     except OmegaConfBaseException as exc:
-        raise UserError(f"config error: {_one_line(exc)}") from None
+        raise UserError(f"config error: {one_line(exc)}") from None
     except (ValueError, TypeError) as exc:  # raised by __post_init__ validation
-        raise UserError(f"config error: {_one_line(exc)}") from None
+        raise UserError(f"config error: {one_line(exc)}") from None
     return obj  # type: ignore[return-value]
 
 

@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from loopformer.configio import _one_line, load_config, user_layers
+from loopformer.configio import one_line, load_config, user_layers
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.sources import TaskConfig, model_fields
@@ -138,7 +138,7 @@ def _raw_layers(path: Optional[str | os.PathLike], overrides: Iterable[str]) -> 
         merged = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
         return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
     except (OmegaConfBaseException, ValueError, TypeError) as exc:   # e.g. a list merged onto a section
-        raise UserError(f"config error: {_one_line(exc)}") from None
+        raise UserError(f"config error: {one_line(exc)}") from None
 
 
 def load_run_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
