@@ -16,7 +16,8 @@ from loopformer.cli import main
 from loopformer.errors import UserError
 from loopformer.model import io as ckpt_io
 from loopformer.train.config import load_run_config
-from loopformer.train.trainer import load_for_resume, read_metrics, read_results, train
+from loopformer.train.run import load_for_resume, read_metrics, read_results
+from loopformer.train.trainer import train
 
 TINY = ["task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=96",
         "task.n_test=24", "model.d_model=16", "model.n_heads=2", "model.loops=2", "model.input_injection=true",
@@ -181,7 +182,7 @@ def test_kill_before_the_first_rename_keeps_the_old_checkpoint(tmp_path, monkeyp
 def test_sweeps_resume_a_run_killed_inside_a_swap(tmp_path, monkeypatch):
     """`loopformer sweep` decides between resuming and starting a run: a run whose checkpoint sits under a hidden
     name is resumed, not started again."""
-    from loopformer.train.trainer import resumable
+    from loopformer.train.run import resumable
 
     run = tmp_path / "run"
     with monkeypatch.context() as m:

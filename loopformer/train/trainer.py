@@ -44,7 +44,7 @@ from loopformer.train import run
 from loopformer.train.config import RunConfig
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
 from loopformer.train.optim import loops_at, loss_loops, lr_at, make_optimizer, steps_for, summed_loss
-from loopformer.train.run import MetricsLog, load_for_resume, read_metrics, read_results, resumable  # noqa: F401
+from loopformer.train.run import MetricsLog
 
 
 # ------------------------------------------------------------------------------------------------- helpers
