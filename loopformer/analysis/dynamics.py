@@ -27,10 +27,10 @@ from loopformer.errors import UserError
 from loopformer.eval.evaluate import evaluate
 from loopformer.fileio import pick_device, write_figure, write_json, write_text
 from loopformer.model.diagnostics import PARAM_GROUPS, loop_dynamics, modulation_stats, summarize_settle
-from loopformer.model.io import load, read_config
+from loopformer.model.io import CONFIG, load, read_config, resolve_checkpoint
 from loopformer.sources import DataSource, TaskConfig, make_data
 from loopformer.tasks import IGNORE
-from loopformer.train.run import read_metrics
+from loopformer.train.run import CKPT_DIR, METRICS_FILE, read_metrics
 
 MOD_KEYS = ("gate_attn", "gate_mlp", "alpha_attn", "alpha_mlp")
 
@@ -188,12 +188,12 @@ def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 50
     if not p.exists():
         raise UserError(f"not found: {p}")
     run_dir = None
-    if (p / "checkpoint" / "config.json").is_file():
-        run_dir, p = p, p / "checkpoint"
-    elif p.name == "checkpoint" and (p.parent / "metrics.jsonl").is_file():
+    if resolve_checkpoint(p) != p:
+        run_dir, p = p, resolve_checkpoint(p)
+    elif p.name == CKPT_DIR and (p.parent / METRICS_FILE).is_file():
         run_dir = p.parent
-    if not (p / "config.json").is_file():
-        raise UserError(f"{path} is neither a run folder nor a checkpoint folder (no config.json)")
+    if not (p / CONFIG).is_file():
+        raise UserError(f"{path} is neither a run folder nor a checkpoint folder (no {CONFIG})")
     _, extra = read_config(p)
     run = extra.get("run") or {}
     if not run.get("task"):

@@ -10,7 +10,7 @@ from loopformer.configio import from_dict
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import MAX_LOOPS, check_eval_args, evaluate, format_results
 from loopformer.fileio import pick_device, write_json
-from loopformer.model.io import load, read_config
+from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.sources import TaskConfig, make_data
 
 
@@ -18,9 +18,7 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
                         limit: int = 0, batch_size: int = 256, loopwise: bool = True, progress: bool = True) -> dict:
     """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise)."""
     check_eval_args(None, None, batch_size, limit)
-    p = Path(path)
-    if (p / "checkpoint" / "config.json").is_file():
-        p = p / "checkpoint"
+    p = resolve_checkpoint(path)
     model_cfg, extra = read_config(p)
     check_eval_args(loops, max_loops, batch_size, limit, trained=model_cfg.loops)
     run = extra.get("run") or {}

@@ -38,6 +38,7 @@ from loopformer.model.looped import LoopedTransformer
 from loopformer.version import __version__
 
 WEIGHTS, CONFIG, STATE = "model.safetensors", "config.json", "training_state.pt"
+RUN_CHECKPOINT = "checkpoint"   # the checkpoint folder's name inside a run folder (`loopformer.train.run`)
 RESERVED_KEYS = ("run", "task", "loopformer_version", "source")   # config.json keys that are not model fields
 
 
@@ -153,6 +154,12 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Opt
     for h in _hidden(dest):           # leftovers of earlier swaps cut short (this process writes this checkpoint)
         shutil.rmtree(h, ignore_errors=True)
     return dest
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint folder `path`, or the one inside the run folder `path`."""
+    p = Path(path)
+    return p / RUN_CHECKPOINT if (p / RUN_CHECKPOINT / CONFIG).is_file() else p
 
 
 def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:

@@ -29,11 +29,11 @@ from omegaconf import OmegaConf
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
 from loopformer.fileio import write_json, write_text
-from loopformer.model.io import has_training_state, recover_checkpoint
+from loopformer.model.io import RUN_CHECKPOINT, has_training_state, recover_checkpoint
 from loopformer.train.config import RunConfig, load_run_config
 
 CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR = (
-    "config.yaml", "run.json", "metrics.jsonl", "results.json", "checkpoint")
+    "config.yaml", "run.json", "metrics.jsonl", "results.json", RUN_CHECKPOINT)
 
 
 # ------------------------------------------------------------------------------------------------- provenance
