@@ -9,6 +9,9 @@
 #   bash scripts/tmlt_study.sh lcs16       # stage 3: the same on LCS-8
 #   bash scripts/tmlt_study.sh icl         # stage 4: looped vs TMLT on in-context decision trees, r = 4, seeds 0-2
 #   bash scripts/tmlt_study.sh ed32 lcs32  # stage 5: r = 32
+#   bash scripts/tmlt_study.sh last        # stage 6: the loss on the last loop only (the paper's), ED-6, r = 16, seed 0
+#   bash scripts/tmlt_study.sh last-paper  #          ... with the paper's parametrisation
+#   bash scripts/tmlt_study.sh embed       # stage 7: the loop-index features: learned per loop, or PE(50 t), seed 0
 #   bash scripts/tmlt_study.sh collect     # tables and compact results into docs/tmlt-study/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
 set -euo pipefail
@@ -47,6 +50,15 @@ stage() {
       # the paper's parametrisation beside the default, same data and budget (ED-6, r = 16, seeds 0-2)
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 model.timestep=true eval.max_loops=32 "${PAPER[@]}" \
         --grid seed=0,1,2 --out "$STUDY/ed16-paper" "${SW[@]}" ;;
+    last)
+      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
+        --grid model.timestep=false,true --out "$STUDY/ed16-last" "${SW[@]}" ;;
+    last-paper)
+      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last model.timestep=true \
+        "${PAPER[@]}" --grid seed=0 --out "$STUDY/ed16-last-paper" "${SW[@]}" ;;
+    embed)
+      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 model.timestep=true \
+        --grid model.timestep_embed=learned --baseline model.timestep_scale=50 --out "$STUDY/ed16-embed" "${SW[@]}" ;;
     collect)
       for d in "$STUDY"/*/; do
         name=$(basename "$d")
