@@ -9,9 +9,10 @@
 #   bash scripts/tmlt_study.sh lcs16       # stage 3: the same on LCS-8
 #   bash scripts/tmlt_study.sh icl         # stage 4: looped vs TMLT on in-context decision trees, r = 4, seeds 0-2
 #   bash scripts/tmlt_study.sh ed32 lcs32  # stage 5: r = 32
-#   bash scripts/tmlt_study.sh last        # stage 6: the loss on the last loop only (the paper's), ED-6, r = 16, seed 0
-#   bash scripts/tmlt_study.sh last-paper  #          ... with the paper's parametrisation
+#   bash scripts/tmlt_study.sh last        # stage 6: the loss on the last loop only (the paper's), ED-6, r = 16
+#   bash scripts/tmlt_study.sh last-paper  #          ... TMLT with the paper's parametrisation, seed 0
 #   bash scripts/tmlt_study.sh embed       # stage 7: the loop-index features: learned per loop, or PE(50 t), seed 0
+#   bash scripts/tmlt_study.sh lcs16-last ed32-last lcs32-last  # stage 8: the last-loop loss on LCS-8 and at r = 32
 #   bash scripts/tmlt_study.sh collect     # tables and compact results into docs/tmlt-study/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
 set -euo pipefail
@@ -52,7 +53,16 @@ stage() {
         --grid seed=0,1,2 --out "$STUDY/ed16-paper" "${SW[@]}" ;;
     last)
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
-        --grid model.timestep=false,true --out "$STUDY/ed16-last" "${SW[@]}" ;;
+        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/ed16-last" "${SW[@]}" ;;
+    lcs16-last)
+      "$LF" sweep configs/cpu/lcs.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
+        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/lcs16-last" "${SW[@]}" ;;
+    ed32-last)
+      "$LF" sweep configs/cpu/ed.yaml model.loops=32 eval.max_loops=64 train.loss_loops=last \
+        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/ed32-last" "${SW[@]}" ;;
+    lcs32-last)
+      "$LF" sweep configs/cpu/lcs.yaml model.loops=32 eval.max_loops=64 train.loss_loops=last \
+        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/lcs32-last" "${SW[@]}" ;;
     last-paper)
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last model.timestep=true \
         "${PAPER[@]}" --grid seed=0 --out "$STUDY/ed16-last-paper" "${SW[@]}" ;;
