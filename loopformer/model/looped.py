@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.model.diagnostics import is_timestep_param
+from loopformer.model.halting import ExitGate
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import KVCache, RMSNorm, TimestepEmbedder, make_layer
 
@@ -35,6 +36,8 @@ class LoopOutput:
     all_logits: Optional[torch.Tensor] = None    # [R,B,T,C]: the read-out applied after every loop
     all_hidden: Optional[torch.Tensor] = None    # [R,B,T,D]
     loops: int = 0                               # loops actually run (fewer than asked when halting early)
+    stop_logits: Optional[torch.Tensor] = None      # [B,T] the exit gate's stop logits after the last loop
+    all_stop_logits: Optional[torch.Tensor] = None  # [R,B,T] ... after every loop (with return_all)
 
 
 class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pretrained / push_to_hub
@@ -47,6 +50,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             self.timestep = TimestepEmbedder(cfg) if cfg.timestep else None
         self.norm_f = RMSNorm(cfg.d_model, True, cfg.norm_eps) if cfg.final_norm else nn.Identity()
         self.head = Head(cfg)                                                       # L2
+        self.exit_gate = ExitGate(cfg.d_model, eps=cfg.norm_eps) if cfg.exit_gate else None   # stop logits
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.head.proj.weight = self.embed.tok.weight
@@ -63,7 +67,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         is exactly the untrained looped model of that seed (paired comparisons).
         """
         std = self.config.init_std
-        named = list(self.named_parameters())
+        named = [(n, p) for n, p in self.named_parameters() if not n.startswith("exit_gate.")]  # drawn: none
         for name, p in [*((n, p) for n, p in named if not is_timestep_param(n)),
                         *((n, p) for n, p in named if is_timestep_param(n))]:
             if name.endswith("bias"):
@@ -78,6 +82,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             nn.init.normal_(self.timestep.table.weight, 0.0, 1.0)   # the sinusoid's scale: entries of size ~1
         for blk in self.blocks:
             blk.reset_modulation(self.config.timestep_gate_init)
+        if self.exit_gate is not None:
+            self.exit_gate.reset_parameters()
 
     # ------------------------------------------------------------------ helpers
     def num_params(self, exclude_positions: bool = False) -> int:
@@ -97,11 +103,17 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         cache.loops = loops or cfg.loops
         return cache
 
+    def loop_indices(self, loops: int, device: torch.device) -> torch.Tensor:
+        """The loop index t fed to the timestep encoding at loops 0..R-1: t itself, or past the trained loops r
+        (t >= r) with `timestep_past="clamp"` the last trained index r - 1.  [R] int64."""
+        t = torch.arange(loops, device=device)
+        return t.clamp(max=self.config.loops - 1) if self.config.timestep_past == "clamp" else t
+
     def modulations(self, loops: int, device: torch.device) -> Optional[torch.Tensor]:
         """[γ1, γ2, s1, s2] for every loop and layer at once: [R, k, 4, D] (None without timestep encoding)."""
         if self.timestep is None:
             return None
-        te = F.silu(self.timestep(torch.arange(loops, device=device)))                 # SiLU(TE(t)): [R,D]
+        te = F.silu(self.timestep(self.loop_indices(loops, device)))                   # SiLU(TE(t)): [R,D]
         return torch.stack([blk.loop_modulation(te) for blk in self.blocks], dim=1)   # [R,k,4,D]
 
     # ------------------------------------------------------------------ forward
@@ -214,9 +226,14 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
 
     def _read_out(self, h: torch.Tensor, states: Optional[list[torch.Tensor]], attn_mask: Optional[torch.Tensor],
                   ran: int) -> LoopOutput:
-        """L2 after the last loop (and after every loop when `states` holds them)."""
+        """L2 after the last loop (and after every loop when `states` holds them); the exit gate's stop logits
+        likewise when the model has one."""
         out = LoopOutput(logits=self.head(self.norm_f(h), attn_mask), hidden=h, loops=ran)
         if states is not None:
             out.all_hidden = torch.stack(states)                                       # [R,B,T,D]
             out.all_logits = self.head(self.norm_f(out.all_hidden), attn_mask)         # [R,B,T,C]
+        if self.exit_gate is not None:
+            out.stop_logits = self.exit_gate(h)                                        # [B,T]
+            if states is not None:
+                out.all_stop_logits = self.exit_gate(out.all_hidden)                   # [R,B,T]
         return out

@@ -24,6 +24,7 @@ from loopformer.model.config import ModelConfig
 from loopformer.sources import TaskConfig, model_fields
 
 LOSS_LOOPS = ("last", "all", "window")
+EXIT_LOSSES = ("target", "distribution")
 SCHEDULES = ("linear", "cosine", "constant", "onecycle")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -61,6 +62,12 @@ class TrainConfig:
     timestep_lr_mult: float = 0.1     # lr multiplier of the timestep embedder and the modulations (TMLT); 1: the
                                       # paper's single learning rate. See docs/tmlt-study.md
     timestep_weight_decay: Optional[float] = None  # their weight decay (None: weight_decay)
+    exit_loss: str = "target"         # how a model's exit gate (model.exit_gate) learns: "target" (BCE on "the
+                                      # read-out after loop t is already correct", as TRM) | "distribution" (the
+                                      # per-loop losses weighted by the exit distribution, as Ouro); see
+                                      # loopformer.model.halting
+    exit_loss_weight: float = 1.0     # weight of the exit loss next to the task loss
+    exit_entropy_weight: float = 0.01 # "distribution": β, the weight of the exit distribution's entropy bonus
 
     def __post_init__(self) -> None:
         _need(self.steps >= 0 and self.epochs >= 0, "train.steps and train.epochs must be >= 0")
@@ -82,6 +89,9 @@ class TrainConfig:
         _need(self.timestep_lr_mult > 0, f"train.timestep_lr_mult must be > 0 (got {self.timestep_lr_mult})")
         _need(self.timestep_weight_decay is None or self.timestep_weight_decay >= 0,
               "train.timestep_weight_decay must be >= 0 (or null)")
+        _need(self.exit_loss in EXIT_LOSSES, f"train.exit_loss must be one of {EXIT_LOSSES} (got {self.exit_loss!r})")
+        _need(self.exit_loss_weight >= 0 and self.exit_entropy_weight >= 0,
+              "train.exit_loss_weight and train.exit_entropy_weight must be >= 0")
 
 
 @dataclass

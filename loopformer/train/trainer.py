@@ -43,7 +43,7 @@ from loopformer.tasks import IGNORE
 from loopformer.train import run
 from loopformer.train.config import RunConfig
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
-from loopformer.train.optim import loops_at, loss_loops, lr_at, make_optimizer, steps_for, summed_loss
+from loopformer.train.optim import exit_loss, loops_at, loss_loops, lr_at, make_optimizer, steps_for, summed_loss
 from loopformer.train.run import MetricsLog
 
 
@@ -261,15 +261,19 @@ class Trainer:
         micro = [_to(m, d.device) for m in fetched]
         global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
         k = 1 if n_read is None else n_read
+        gated = cfg.model.exit_gate and tc.exit_loss_weight > 0                 # the exit gate reads every loop
         for i, mb in enumerate(micro):
             sync = i == len(micro) - 1
             ctx = self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
             with ctx:
                 with self.autocast():
-                    out = self.net(mb["inputs"], loops=R, return_all=n_read is not None)
+                    out = self.net(mb["inputs"], loops=R, return_all=n_read is not None or gated)
                 logits = out.logits if n_read is None else out.all_logits[-n_read:]
                 s, _ = summed_loss(logits, mb["targets"], mb.get("weight"))
                 loss = s * (d.world / (global_count * k))
+                if gated:   # a mean over this micro-batch: DDP averages it over processes
+                    loss = loss + tc.exit_loss_weight / len(micro) * exit_loss(
+                        tc, out.all_logits, out.all_stop_logits, mb["targets"], mb.get("weight"), cfg.model.causal)
                 if self.scaler is not None:
                     self.scaler.scale(loss).backward()
                 else:
