@@ -24,9 +24,9 @@ from torch.utils.checkpoint import checkpoint
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.model.diagnostics import is_timestep_param
-from loopformer.model.halting import ExitGate
+from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, stops, update_streak
 from loopformer.model.heads import Embed, Head
-from loopformer.model.layers import KVCache, RMSNorm, TimestepEmbedder, make_layer
+from loopformer.model.layers import KVCache, RMSNorm, RunningKV, TimestepEmbedder, make_layer
 
 
 @dataclass
@@ -37,6 +37,8 @@ class LoopOutput:
     all_hidden: Optional[torch.Tensor] = None    # [R,B,T,D]
     loops: int = 0                               # loops actually run (fewer than asked when halting early)
     stop_logits: Optional[torch.Tensor] = None      # [B,T] the exit gate's stop logits after the last loop
+    exit_loops: Optional[torch.Tensor] = None       # with a halting rule: the loop each row [B] (per token: [B,T])
+                                                    # stopped after, 1..R
     all_stop_logits: Optional[torch.Tensor] = None  # [R,B,T] ... after every loop (with return_all)
 
 
@@ -119,14 +121,21 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *, loops: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
                 positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
-                return_all: bool = False, halt_tol: Optional[float] = None) -> LoopOutput:
+                return_all: bool = False, halt_tol: Optional[float] = None, halt: Optional[HaltRule | str] = None,
+                halt_positions: Optional[torch.Tensor] = None, per_token: Optional[bool] = None) -> LoopOutput:
         """Run L1, then the block `loops` times, then L2.
 
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
         S = cached + T.  cache: from `new_cache` (generation; each loop reads its own slot).
         return_all: also return every loop's hidden state and read-out.  halt_tol: stop looping (inference) once
         every sequence's hidden state changes by less than this relative amount in one loop.
+        halt: adaptive depth per row, or per token (`per_token`, default for causal models), by a `HaltRule` (or its
+        text, e.g. "kl:1e-3"): see `halting_forward`; halt_positions [B,T] bool: the positions a row's criterion
+        is taken over (default: every real token).
         """
+        if halt is not None:
+            return self.halting_forward(x, halt, loops=loops, attn_mask=attn_mask, positions=positions, cache=cache,
+                                        halt_positions=halt_positions, per_token=per_token)
         cfg = self.config
         R = self._check_call(x, loops, cache, halt_tol)
         past = cache.length if cache is not None else 0
@@ -155,6 +164,99 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         if cache is not None:
             cache.length += x.shape[1]
         return self._read_out(h, states if return_all else None, attn_mask, ran)         # L2
+
+    @torch.no_grad()
+    def halting_forward(self, x: torch.Tensor, halt: HaltRule | str, *, loops: Optional[int] = None,
+                        attn_mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                        cache: Optional[KVCache] = None, halt_positions: Optional[torch.Tensor] = None,
+                        per_token: Optional[bool] = None) -> LoopOutput:
+        """Adaptive depth (inference): every row — in a causal model every token — loops until `halt` says it is
+        done (`loopformer.model.halting`), at most R loops (`loops`, else the rule's max, else the model's).
+
+        Per row: the rows still running are gathered into a smaller batch before each loop; a row that stops
+        leaves it, its hidden state is scattered back, and the read-out is taken once at the end. A row's output is
+        exactly that of a fixed-depth run with its exit loop (no row sees another).
+        Per token (causal models; the only mode with a key/value cache): a token that stops keeps its hidden state,
+        and in every later loop its keys/values are those of its deepest computed loop (the policy later tokens
+        and later generation steps read: `RunningKV`); a row leaves the batch when all its tokens have stopped.
+        Without a cache the call uses a temporary one, so a full recomputation and cached generation follow the
+        same policy.  Returns `exit_loops` [B] (per token [B,T]); `loops` is the most loops any row ran.
+        """
+        cfg = self.config
+        rule = HaltRule.parse(halt) if isinstance(halt, str) else halt
+        per_token = cfg.causal if per_token is None else per_token
+        if per_token and not cfg.causal:
+            raise UserError("per-token halting needs a causal model (a token may not see later tokens)")
+        if cache is not None and not per_token:
+            raise UserError("halting with a key/value cache is per token (per_token=True)")
+        R = loops if loops is not None else (cache.loops if cache is not None else (rule.max_loops or cfg.loops))
+        R = self._check_call(x, R, cache, None)
+        bound = min(rule.bound(R), R)
+        B, T = x.shape[:2]
+        if per_token and cache is None:   # a temporary cache holds the frozen keys/values of stopped tokens
+            cache = self.new_cache(B, max_len=T, loops=R)
+        past = cache.length if cache is not None else 0
+        mask = self._mask(attn_mask, T, past, x.device)                                # [B|1,1,T,S] | None
+        e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
+        mods = self._loop_modulations(R, x.device, cache)                              # [R,k,4,D] | None
+        P = halt_positions if halt_positions is not None else \
+            (attn_mask[:, past:].bool() if attn_mask is not None else None)            # [B,T] | None
+
+        run = torch.arange(B, device=x.device)                                         # the running rows
+        h, h_out = e, torch.empty_like(e)                                              # [n,T,D], [B,T,D]
+        exits = torch.full((B, T) if per_token else (B,), bound, dtype=torch.long, device=x.device)
+        streak = torch.zeros_like(exits)                                               # [n] | [n,T]
+        going = torch.ones(B, T, dtype=torch.bool, device=x.device)                    # per token: not stopped
+        logits_prev = None
+        for t in range(bound):                      # ---- the loop over the running rows:  h <- TF(h (+ e), t) ----
+            inp = h + e[run] if (t > 0 and cfg.input_injection) else h
+            kv = RunningKV(cache, run, going[run], len(self.blocks)) if per_token else None
+            h_new = self._block(inp, None if mods is None else mods[t], self._rows(mask, run, B), kv, t)
+            if per_token:   # stopped tokens keep their state
+                h_new = torch.where(going[run][..., None], h_new, h)
+            logits = self.head(self.norm_f(h_new), None if attn_mask is None else attn_mask[run]) \
+                if rule.needs_read_out else None
+            holds = criterion_holds(rule, hidden=h_new, hidden_prev=h if t > 0 else None, logits=logits,
+                                    logits_prev=logits_prev, positions=None if P is None else P[run],
+                                    stop_logits=None if self.exit_gate is None else self.exit_gate(h_new),
+                                    per_token=per_token)
+            streak = update_streak(streak, holds)
+            done = stops(rule, streak, t + 1, R)                                       # [n] | [n,T]
+            if per_token:
+                newly = done & going[run]
+                exits[run] = torch.where(newly, t + 1, exits[run])
+                going[run] = going[run] & ~done
+                left = ~(going[run] | (~P[run] if P is not None else False)).any(-1)   # [n]: every token stopped
+            else:
+                exits[run[done]] = t + 1
+                left = done
+            h = h_new
+            if bool(left.any()):                     # rows that stopped leave the batch
+                h_out[run[left]] = h[left]
+                if per_token and t + 1 < R:
+                    kv.freeze_rows(run[left], t + 1, T)
+                stay = ~left
+                run, h, streak = run[stay], h[stay], streak[stay]
+                logits = None if logits is None else logits[stay]
+            logits_prev = logits
+            if run.numel() == 0:
+                break
+        if run.numel():
+            h_out[run] = h
+        if per_token:
+            exits = torch.where(going, bound, exits)
+        if cache is not None:
+            cache.length += T
+        out = self._read_out(h_out, None, attn_mask, int(exits.max()))                 # L2
+        out.exit_loops = exits
+        return out
+
+    @staticmethod
+    def _rows(mask: Optional[torch.Tensor], run: torch.Tensor, B: int) -> Optional[torch.Tensor]:
+        """The attention mask of the running rows (a mask shared by all rows stays as it is)."""
+        if mask is None or mask.shape[0] == 1 or run.numel() == B:
+            return mask
+        return mask[run]
 
     # ------------------------------------------------------------------ forward's parts
     def _check_call(self, x: torch.Tensor, loops: Optional[int], cache: Optional[KVCache],
