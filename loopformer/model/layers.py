@@ -109,16 +109,21 @@ class RunningKV:
     Rows that stop entirely leave the batch; `freeze_rows` then copies their deepest loop into every later slot.
     """
 
-    def __init__(self, cache: KVCache, rows: torch.Tensor, running: torch.Tensor, layers: int):
+    def __init__(self, cache: KVCache, rows: torch.Tensor, running: Optional[torch.Tensor], layers: int,
+                 all_running: bool):
         self.cache, self.rows, self.running, self.layers = cache, rows, running, layers
+        self.all_rows = rows.numel() == cache.k.shape[1]                        # rows = 0..B-1 (never reordered)
+        self.all_running = all_running                                          # running is all True (or None)
 
     def update(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c, rows = self.cache, self.rows
         start, end = c.length, c.length + k.shape[2]
-        keep = self.running[:, None, :, None]                                   # [n,1,T,1]
-        if slot >= self.layers:                                                 # stopped positions: carried
+        if slot >= self.layers and not self.all_running:                        # stopped positions: carried
+            keep = self.running[:, None, :, None]                               # [n,1,T,1]
             k = torch.where(keep, k, c.k[slot - self.layers, rows, :, start:end])
             v = torch.where(keep, v, c.v[slot - self.layers, rows, :, start:end])
+        if self.all_rows:                                                       # views, no copies
+            return c.update(slot, k, v)
         c.k[slot, rows, :, start:end] = k
         c.v[slot, rows, :, start:end] = v
         return c.k[slot, rows, :, :end], c.v[slot, rows, :, :end]

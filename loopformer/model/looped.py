@@ -202,49 +202,58 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         P = halt_positions if halt_positions is not None else \
             (attn_mask[:, past:].bool() if attn_mask is not None else None)            # [B,T] | None
 
+        tokenwise = per_token and T > 1              # one new token per row (generation): its row is its token
         run = torch.arange(B, device=x.device)                                         # the running rows
         h, h_out = e, torch.empty_like(e)                                              # [n,T,D], [B,T,D]
-        exits = torch.full((B, T) if per_token else (B,), bound, dtype=torch.long, device=x.device)
+        exits = torch.full((B, T) if tokenwise else (B,), bound, dtype=torch.long, device=x.device)
         streak = torch.zeros_like(exits)                                               # [n] | [n,T]
-        going = torch.ones(B, T, dtype=torch.bool, device=x.device)                    # per token: not stopped
-        logits_prev = None
+        going = torch.ones(B, T, dtype=torch.bool, device=x.device) if tokenwise else None   # [n,T] not stopped
+        ex_run, P_run, all_going = exits, P, True                                      # ... of the running rows
+        logits_prev, e_run, mask_run = None, e, mask
         for t in range(bound):                      # ---- the loop over the running rows:  h <- TF(h (+ e), t) ----
-            inp = h + e[run] if (t > 0 and cfg.input_injection) else h
-            kv = RunningKV(cache, run, going[run], len(self.blocks)) if per_token else None
-            h_new = self._block(inp, None if mods is None else mods[t], self._rows(mask, run, B), kv, t)
-            if per_token:   # stopped tokens keep their state
-                h_new = torch.where(going[run][..., None], h_new, h)
+            inp = h + e_run if (t > 0 and cfg.input_injection) else h
+            kv = RunningKV(cache, run, going, len(self.blocks), all_going) if per_token else None
+            h_new = self._block(inp, None if mods is None else mods[t], mask_run, kv, t)
+            if not all_going:                        # stopped tokens keep their state
+                h_new = torch.where(going[..., None], h_new, h)
             logits = self.head(self.norm_f(h_new), None if attn_mask is None else attn_mask[run]) \
                 if rule.needs_read_out else None
             holds = criterion_holds(rule, hidden=h_new, hidden_prev=h if t > 0 else None, logits=logits,
-                                    logits_prev=logits_prev, positions=None if P is None else P[run],
+                                    logits_prev=logits_prev, positions=P_run,
                                     stop_logits=None if self.exit_gate is None else self.exit_gate(h_new),
-                                    per_token=per_token)
+                                    per_token=tokenwise)
             streak = update_streak(streak, holds)
             done = stops(rule, streak, t + 1, R)                                       # [n] | [n,T]
-            if per_token:
-                newly = done & going[run]
-                exits[run] = torch.where(newly, t + 1, exits[run])
-                going[run] = going[run] & ~done
-                left = ~(going[run] | (~P[run] if P is not None else False)).any(-1)   # [n]: every token stopped
+            if tokenwise:
+                ex_run = torch.where(done & going, t + 1, ex_run)
+                going = going & ~done
+                left = ~(going if P_run is None else going & P_run).any(-1)           # [n]: every token stopped
             else:
-                exits[run[done]] = t + 1
                 left = done
             h = h_new
             if bool(left.any()):                     # rows that stopped leave the batch
-                h_out[run[left]] = h[left]
+                gone = run[left]
+                h_out[gone] = h[left]
+                exits[gone] = ex_run[left] if tokenwise else t + 1
                 if per_token and t + 1 < R:
-                    kv.freeze_rows(run[left], t + 1, T)
+                    kv.freeze_rows(gone, t + 1, T)
                 stay = ~left
                 run, h, streak = run[stay], h[stay], streak[stay]
                 logits = None if logits is None else logits[stay]
+                e_run, mask_run = e[run], self._rows(mask, run, B)
+                P_run = None if P is None else P[run]
+                if tokenwise:
+                    going, ex_run = going[stay], ex_run[stay]
             logits_prev = logits
             if run.numel() == 0:
                 break
+            if tokenwise:
+                all_going = bool(going.all())
         if run.numel():
             h_out[run] = h
-        if per_token:
-            exits = torch.where(going, bound, exits)
+            exits[run] = ex_run if tokenwise else bound
+        if per_token and not tokenwise:
+            exits = exits[:, None]                                                     # [B,1]
         if cache is not None:
             cache.length += T
         out = self._read_out(h_out, None, attn_mask, int(exits.max()))                 # L2
