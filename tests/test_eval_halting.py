@@ -88,3 +88,17 @@ def test_bad_halting_flags_are_one_line_with_status_2(tmp_path, capsys, argv, ne
     assert main(["eval", str(run), "--quiet", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("loopformer: error: ") and needle in err[0]
+
+
+def test_runs_record_halting_and_the_report_tables_it(tmp_path):
+    from loopformer.experiments.report import write_report
+    from loopformer.train.trainer import train
+    res = train(load_run_config(None, [*TINY, "task.answer_only=true", "train.steps=2", "eval.halt=[kl:1e-3,argmax:2]",
+                                       f"out_dir={tmp_path / 'r'}"]))
+    assert [q["rule"] for q in res["halting"]["rules"]] == ["kl:0.001", "argmax:2"]
+    assert res["halting"]["fixed"]["metrics"]["accuracy"] == pytest.approx(res["test"]["accuracy"])
+    rep = write_report(tmp_path)
+    table = (tmp_path / "halting.md").read_text()
+    assert "halting.md" in rep["files"] and "| r | kl:0.001 |" in table and "| r | argmax:2 |" in table
+    with pytest.raises(Exception, match="eval.halt"):
+        load_run_config(None, [*TINY, "eval.halt=[kl]"])

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from loopformer.configio import one_line, load_config, user_layers
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
+from loopformer.model.halting import HaltRule
 from loopformer.sources import TaskConfig, model_fields
 
 LOSS_LOOPS = ("last", "all", "window")
@@ -100,10 +101,17 @@ class EvalConfig:
     n: int = 0                        # evaluate on the first n test samples (0: all)
     max_loops: int = 0                # loop-wise evaluation up to this many loops (0: 2 × the trained loops)
     loopwise: bool = True             # record the metric after every loop t = 1..max_loops
+    halt: list[str] = field(default_factory=list)   # halting rules (e.g. [kl:1e-3, entropy:0.2]) evaluated at the
+                                      # end next to fixed depth: results.json "halting" (token tasks)
 
     def __post_init__(self) -> None:
         _need(self.batch_size >= 1 and self.n >= 0 and 0 <= self.max_loops <= 1024,
               "eval: need batch_size >= 1, n >= 0 and 0 <= max_loops <= 1024")
+        for rule in self.halt:
+            try:
+                HaltRule.parse(rule)
+            except UserError as exc:
+                raise ValueError(f"eval.halt: {exc}") from None
 
 
 @dataclass

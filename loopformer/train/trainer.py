@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import evaluate
+from loopformer.eval.halting import evaluate_halting
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint, unwrap
 from loopformer.model.looped import LoopedTransformer
@@ -371,6 +372,9 @@ class Trainer:
         """results.json (rank 0) from the final evaluation; every process returns it."""
         cfg, d, results = self.cfg, self.d, None
         if d.main:
+            halting = None if not cfg.eval.halt else evaluate_halting(
+                self.model, self.data, cfg.eval.halt, batch_size=cfg.eval.batch_size, limit=cfg.eval.n,
+                device=d.device)
             results = run.write_results(self.run_dir, {
                 "name": cfg.name, "task": self.data.describe(), "variant": cfg.model.variant,
                 "loops": cfg.model.loops, "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep,
@@ -379,6 +383,7 @@ class Trainer:
                 "higher_is_better": final["higher_is_better"], "test": final["metrics"],
                 "loopwise": final["loopwise"], "max_loops": final["max_loops"], "world_size": d.world,
                 "device": str(d.device), "seed": cfg.seed,
+                **({"halting": halting} if halting else {}),
             })
         self.log.close()
         return broadcast_object(d, results)
