@@ -199,7 +199,7 @@ def criterion_holds(rule: HaltRule, *, hidden: torch.Tensor, hidden_prev: Option
         if stop_logits is None:
             raise UserError("halting criterion 'gate' needs a model with an exit gate (exit_gate=true)")
         g = stop_logits if per_token else row_mean(stop_logits, positions)
-        return torch.sigmoid(g.float()) >= rule.threshold
+        return g >= logit(rule.threshold)                                       # σ(g) ≥ θ  ⇔  g ≥ log(θ / (1 − θ))
     if logits is None:
         raise UserError(f"halting criterion {c!r} needs the model's read-out after every loop")
     if c == "entropy":
@@ -214,9 +214,14 @@ def criterion_holds(rule: HaltRule, *, hidden: torch.Tensor, hidden_prev: Option
     return row_max(score, P) < (rule.threshold if c != "argmax" else 0.5)
 
 
+def logit(p: float) -> float:
+    """log(p / (1 − p)), the stop logit of probability p (+inf at p = 1)."""
+    return math.inf if p >= 1 else math.log(p / (1 - p))
+
+
 def update_streak(streak: torch.Tensor, holds: torch.Tensor) -> torch.Tensor:
     """Consecutive loops the criterion has held: streak + 1 where it holds, 0 where not.  [N] or [N,T] int."""
-    return (streak + 1) * holds.to(streak.dtype)
+    return (streak + 1) * holds
 
 
 def stops(rule: HaltRule, streak: torch.Tensor, t: int, loops: int) -> torch.Tensor:

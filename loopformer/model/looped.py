@@ -200,7 +200,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
         mods = self._loop_modulations(R, x.device, cache)                              # [R,k,4,D] | None
         P = halt_positions if halt_positions is not None else \
-            (attn_mask[:, past:].bool() if attn_mask is not None else None)            # [B,T] | None
+            (attn_mask[:, past:].bool() if attn_mask is not None and T > 1 else None)  # [B,T] | None: all
 
         tokenwise = per_token and T > 1              # one new token per row (generation): its row is its token
         run = torch.arange(B, device=x.device)                                         # the running rows
