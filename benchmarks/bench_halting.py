@@ -4,7 +4,8 @@ Per-row halting gathers the rows still running before every loop, so its wall ti
 saved. Both paths run side by side in this run (interleaved repetitions, medians); printed per rule: mean loops,
 loops saved, wall time of fixed depth and of halting, their ratio (the speed-up) next to the ideal ratio R / mean
 loops. Generation: new tokens/s with a halting rule against fixed depth (the same model, cache on), with the mean
-loops per token.
+loops per token and the loops run per step (a step of a batch lasts as long as its slowest row), for one prompt and
+for a batch.
 
 By default the models are random with an exit gate whose stop probability varies by row / token (the rule is the
 gate's, `gate:0.5`); with `--checkpoint RUN` the per-row part uses a trained run's test split and `--halt` rules.
@@ -63,15 +64,15 @@ def random_model(args, causal: bool, max_len: int) -> LoopedTransformer:
 def rows_random(args) -> list[tuple[str, float, float, float, float]]:
     """(rule, mean loops, fixed s, halting s, ideal) for a random bidirectional model on random rows."""
     model = random_model(args, causal=False, max_len=args.length)
-    with torch.no_grad():   # a row's logit is the mean over its tokens: spread it as much as a token's
-        model.exit_gate.proj.weight.mul_(args.length ** 0.5)
     x = torch.randint(0, args.vocab, (args.batch, args.length), device=args.device)
+    P = torch.zeros_like(x, dtype=torch.bool)
+    P[:, -1] = True                                  # each row is judged at one (answer) position, as a task's
     with torch.no_grad():
-        model(x), model(x, halt="gate:0.5")                                          # warm-up
+        model(x), model(x, halt="gate:0.5", halt_positions=P)                        # warm-up
         fixed, halted = [], []
         for _ in range(args.reps):   # interleaved, so load changes affect both alike
             fixed.append(timed(lambda: model(x), args.device)[0])
-            t, out = timed(lambda: model(x, halt="gate:0.5"), args.device)
+            t, out = timed(lambda: model(x, halt="gate:0.5", halt_positions=P), args.device)
             halted.append(t)
     mean = float(out.exit_loops.float().mean())
     return [("gate:0.5", mean, statistics.median(fixed), statistics.median(halted), args.loops / mean)]
@@ -96,13 +97,13 @@ def rows_checkpoint(args) -> list[tuple[str, float, float, float, float]]:
     return out
 
 
-def generation(args) -> tuple[float, float, float, float]:
-    """(fixed tok/s, exits tok/s, mean loops per token, same first token) for a random causal model."""
+def generation(args, batch: int) -> tuple[float, float, float, float]:
+    """(fixed tok/s, exits tok/s, mean loops per token, mean loops per step = the slowest row's) for a random
+    causal model generating for `batch` prompts."""
     max_len = args.prompt_len + args.new_tokens
     model = random_model(args, causal=True, max_len=max_len)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, args.vocab, (args.prompt_len - 3 * i,), generator=g).tolist()
-               for i in range(args.gen_batch)]
+    prompts = [torch.randint(0, args.vocab, (args.prompt_len - 3 * i,), generator=g).tolist() for i in range(batch)]
     plain = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0)
     exits = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0, halt="gate:0.5")
     warm = SamplingConfig(max_new_tokens=4, temperature=0)
@@ -113,8 +114,10 @@ def generation(args) -> tuple[float, float, float, float]:
         fixed_t.append(timed(lambda: generate(model, prompts, plain), args.device)[0])
         t, res = timed(lambda: generate(model, prompts, exits), args.device)
         exit_t.append(t)
-    n = args.gen_batch * args.new_tokens
-    return n / statistics.median(fixed_t), n / statistics.median(exit_t), float(res.exit_loops.float().mean())
+    n = batch * args.new_tokens
+    loops = res.exit_loops.float()                                                  # [B,N]
+    return (n / statistics.median(fixed_t), n / statistics.median(exit_t), float(loops.mean()),
+            float(loops.max(0).values.mean()))
 
 
 def main() -> None:
@@ -148,14 +151,14 @@ def main() -> None:
         R = ideal * mean
         print(f"| {name} | {mean:.2f} | {100 * (1 - mean / R):.0f} % | {fixed:.4f} | {halted:.4f} | "
               f"{fixed / halted:.2f}x | {ideal:.2f}x |")
-    fixed_tps, exit_tps, mean = generation(args)
     print(f"\ngeneration with per-token exits (random causal TMLT d={args.d_model}, {args.loops} loops, "
-          f"batch {args.gen_batch}, {args.new_tokens} new tokens, cache on, rule gate:0.5)")
-    print("| fixed tok/s | exits tok/s | ratio | mean loops / token | loops saved |")
-    print("|---|---|---|---|---|")
-    print(f"| {fixed_tps:.1f} | {exit_tps:.1f} | {exit_tps / fixed_tps:.2f}x | {mean:.2f} | "
-          f"{100 * (1 - mean / args.loops):.0f} % |")
-
+          f"{args.new_tokens} new tokens, cache on, rule gate:0.5)")
+    print("| prompts | fixed tok/s | exits tok/s | ratio | mean loops / token | loops saved | loops run per step |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in sorted({1, args.gen_batch}):
+        fixed_tps, exit_tps, mean, per_step = generation(args, batch)
+        print(f"| {batch} | {fixed_tps:.1f} | {exit_tps:.1f} | {exit_tps / fixed_tps:.2f}x | {mean:.2f} | "
+              f"{100 * (1 - mean / args.loops):.0f} % | {per_step:.2f} |")
 
 if __name__ == "__main__":
     main()
