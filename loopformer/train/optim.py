@@ -12,7 +12,9 @@ Per-loop loss (Sec. 5 / App. C.1.3: Sudoku and ICL put every loop's read-out in 
 Exit gate (a model with `exit_gate`, see `loopformer.model.halting`): `exit_loss` adds, weighted by
 `exit_loss_weight`, the halting target loss (BCE on "the read-out after loop t is correct") or the exit distribution
 loss (the per-loop losses weighted by the exit distribution, minus β × its entropy). A bidirectional model's gate
-decides per row (its logit: the mean over the supervised positions), a causal model's per token.
+decides per row (its logit: the mean over the supervised positions), a causal model's per token. The gate reads
+the hidden states detached: its loss trains the gate only, never the trunk (with the exit-distribution loss the
+trunk still learns from the per-loop task losses that the gate weights).
 Shapes: R loops, B batch, T length, C classes.
 """
 

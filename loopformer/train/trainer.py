@@ -273,8 +273,9 @@ class Trainer:
                 s, _ = summed_loss(logits, mb["targets"], mb.get("weight"))
                 loss = s * (d.world / (global_count * k))
                 if gated:   # a mean over this micro-batch: DDP averages it over processes
+                    stop = unwrap(self.model).exit_gate(out.all_hidden.detach())      # the gate reads, never steers
                     loss = loss + tc.exit_loss_weight / len(micro) * exit_loss(
-                        tc, out.all_logits, out.all_stop_logits, mb["targets"], mb.get("weight"), cfg.model.causal)
+                        tc, out.all_logits, stop, mb["targets"], mb.get("weight"), cfg.model.causal)
                 if self.scaler is not None:
                     self.scaler.scale(loss).backward()
                 else:
