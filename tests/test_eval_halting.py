@@ -102,3 +102,23 @@ def test_runs_record_halting_and_the_report_tables_it(tmp_path):
     assert "halting.md" in rep["files"] and "| r | kl:0.001 |" in table and "| r | argmax:2 |" in table
     with pytest.raises(Exception, match="eval.halt"):
         load_run_config(None, [*TINY, "eval.halt=[kl]"])
+
+
+def test_causal_models_halt_per_token_in_evaluation():
+    cfg = load_run_config(None, [*TINY, "model.loops=4"])
+    assert cfg.model.causal
+    torch.manual_seed(1)
+    model = LoopedTransformer(cfg.model).eval()
+    with torch.no_grad():
+        model.head.proj.weight.mul_(20)
+    data = make_data(cfg.task)
+    res = evaluate_halting(model, data, ["kl:0", "argmax:1"], batch_size=16)
+    never, early = res["rules"]
+    assert never["metrics"] == pytest.approx(res["fixed"]["metrics"], nan_ok=True) and never["mean_loops"] == 4
+    n_supervised = int((np.asarray(data.test["targets"]) != -100).sum())
+    x = torch.as_tensor(np.asarray(data.test["inputs"], dtype=np.int64))
+    y = torch.as_tensor(np.asarray(data.test["targets"], dtype=np.int64))
+    out = model(x, halt="argmax:1", halt_positions=y != -100)
+    assert out.exit_loops.shape == x.shape                           # per token
+    assert early["mean_loops"] == pytest.approx(out.exit_loops[y != -100].float().mean().item())
+    assert n_supervised > len(x)
