@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.model.diagnostics import is_timestep_param
-from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, stops, update_streak
+from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, latent_change, stops, update_streak
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import KVCache, RMSNorm, RunningKV, TimestepEmbedder, make_layer
 
@@ -128,7 +128,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
         S = cached + T.  cache: from `new_cache` (generation; each loop reads its own slot).
         return_all: also return every loop's hidden state and read-out.  halt_tol: stop looping (inference) once
-        every sequence's hidden state changes by less than this relative amount in one loop.
+        every sequence's hidden state changes by less than this relative amount in one loop (the whole batch at
+        once; `halt="latent:..."` stops each row by itself).
         halt: adaptive depth per row, or per token (`per_token`, default for causal models), by a `HaltRule` (or its
         text, e.g. "kl:1e-3"): see `halting_forward`; halt_positions [B,T] bool: the positions a row's criterion
         is taken over (default: every real token).
@@ -332,8 +333,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
     @staticmethod
     def _settled(h_prev: torch.Tensor, h: torch.Tensor, tol: float) -> bool:
         """Whether every sequence's hidden state changed by less than `tol` (relative) in the last loop."""
-        change = (h - h_prev).flatten(1).norm(dim=1) / h_prev.flatten(1).norm(dim=1).clamp(min=1e-12)
-        return bool((change < tol).all())
+        return bool((latent_change(h_prev, h) < tol).all())
 
     def _read_out(self, h: torch.Tensor, states: Optional[list[torch.Tensor]], attn_mask: Optional[torch.Tensor],
                   ran: int) -> LoopOutput:
