@@ -177,6 +177,9 @@ class Trainer:
         self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
         self.model = LoopedTransformer(cfg.model).to(d.device)
         self.optimizer = make_optimizer(self.model, tc)
+        named = list(self.model.named_parameters())
+        self.gate_params = [p for n, p in named if n.startswith("exit_gate.")]
+        self.trunk_params = [p for n, p in named if not n.startswith("exit_gate.")]
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
         self.start, self.state, self.finished = 0, None, False
@@ -292,8 +295,10 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         if d.main and self.dyn_every and (step + 1) % self.dyn_every == 0:
             self.dyn_grads = grad_norms(self.model)              # before clipping
-        self.gnorm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip) if tc.grad_clip > 0
+        self.gnorm = (torch.nn.utils.clip_grad_norm_(self.trunk_params, tc.grad_clip) if tc.grad_clip > 0
                       else None)
+        if tc.grad_clip > 0 and self.gate_params:   # the exit gate's own norm: its loss never rescales the trunk's
+            torch.nn.utils.clip_grad_norm_(self.gate_params, tc.grad_clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
