@@ -122,3 +122,11 @@ def test_causal_models_halt_per_token_in_evaluation():
     assert out.exit_loops.shape == x.shape                           # per token
     assert early["mean_loops"] == pytest.approx(out.exit_loops[y != -100].float().mean().item())
     assert n_supervised > len(x)
+
+
+def test_a_rule_with_its_own_max_runs_up_to_it():
+    model, data = _model_and_data()
+    res = evaluate_halting(model, data, ["kl:0,max=6", "kl:0,max=2"], batch_size=64, limit=20)
+    assert [q["mean_loops"] for q in res["rules"]] == [6, 2] and res["loops"] == 4
+    res = evaluate_halting(model, data, ["kl:0,max=6"], loops=3, batch_size=64, limit=20)
+    assert res["rules"][0]["mean_loops"] == 3                         # an explicit loop count bounds every rule

@@ -49,7 +49,7 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     res["timestep_past"] = model.config.timestep_past
     res["causal"] = model.config.causal
     if rules:
-        res["halting"] = evaluate_halting(model, data, rules, loops=r, batch_size=batch_size, limit=limit,
+        res["halting"] = evaluate_halting(model, data, rules, loops=loops, batch_size=batch_size, limit=limit,
                                           device=dev, progress=progress)
     if halt_sweep:
         res["halting_sweep"] = halting_sweep(model, data, halt_sweep, loops=r, batch_size=batch_size, limit=limit,

@@ -55,7 +55,8 @@ def _timed(fn, clock: dict[str, float], name: str, device: torch.device):
 def evaluate_halting(model: torch.nn.Module, data: DataSource, rules: Sequence[HaltRule | str], *,
                      loops: Optional[int] = None, batch_size: int = 256, limit: int = 0,
                      device: Optional[torch.device] = None, progress: bool = False) -> dict[str, Any]:
-    """Fixed depth (R = `loops`, default the model's) and each rule, side by side on `data`'s test split.
+    """Fixed depth (R = `loops`, default the model's) and each rule, side by side on `data`'s test split (a rule
+    with its own `max` runs up to it when `loops` is not given).
 
     Returns {"loops": R, "metric", "fixed": {"metrics", "wall_s"}, "rules": [{"rule", "metrics", "mean_loops",
     "p90_loops", "loops_saved", "wall_s", "speedup"}]} — loops_saved = 1 − mean_loops / R, speedup = fixed wall
@@ -72,8 +73,11 @@ def evaluate_halting(model: torch.nn.Module, data: DataSource, rules: Sequence[H
     raw.eval()
     clock = {"fixed": 0.0, **{str(r): 0.0 for r in parsed}}
     forwards = {"fixed": _timed(lambda x, P: raw(x, loops=R), clock, "fixed", device)}
-    for r in parsed:
-        forwards[str(r)] = _timed(lambda x, P, r=r: raw(x, loops=R, halt=r, halt_positions=P), clock, str(r), device)
+    for r in parsed:   # a rule's own max bounds it unless `loops` is given
+        budget = R if loops or r.max_loops is None else r.max_loops
+        check_eval_args(budget, None, batch_size, limit, trained=raw.config.loops)
+        forwards[str(r)] = _timed(lambda x, P, r=r, b=budget: raw(x, loops=b, halt=r, halt_positions=P), clock,
+                                  str(r), device)
     try:
         first = next(data.test_batches(min(batch_size, 8), 8))          # warm-up: first-call costs are not timed
         warm = torch.as_tensor(np.asarray(first["inputs"], dtype=np.int64), device=device)
