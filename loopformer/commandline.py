@@ -5,6 +5,7 @@
     add_device     --device: auto (CUDA, then Apple MPS, then CPU), cpu, cuda, cuda:N or mps
     add_quiet      --quiet (alias --no-progress): no progress bars
     add_rows       -n / --n N: only the first N rows
+    add_halt       --halt RULE: adaptive depth by a halting rule (loopformer.model.halting)
     split_items    CONFIG [key=value ...]: the config file and the dotted overrides of `train` / `sweep`
     intermixed     let key=value overrides come before or after the options
 """
@@ -45,6 +46,14 @@ def add_quiet(parser: argparse.ArgumentParser, help: str = "no progress bars") -
 
 def add_rows(parser: argparse.ArgumentParser, default: int, help: str) -> None:
     parser.add_argument("-n", "--n", dest="n", type=int, default=default, metavar="N", help=help)
+
+
+HALT_HELP = ("adaptive depth: stop each row (causal models: each token) by CRITERION:THRESHOLD[,patience=K][,max=M]"
+             "[,min=N] with CRITERION latent | kl | entropy | argmax | gate, e.g. kl:1e-3, argmax:2, gate:0.5")
+
+
+def add_halt(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--halt", default=None, metavar="RULE", help=HALT_HELP)
 
 
 def split_items(items: list[str], config_required: bool) -> tuple[Optional[str], list[str]]:

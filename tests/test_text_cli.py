@@ -94,3 +94,9 @@ def test_generate_cli(setup, capsys):
     one_line_error(capsys, "context")
     assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--top-p", "2"]) == 2
     one_line_error(capsys, "top_p")
+    halted = args + ["--halt", "kl:1e-2,max=3"]                     # per-token exits: cache == recompute
+    assert main(halted) == 0
+    exits = capsys.readouterr().out
+    assert main(halted + ["--no-cache"]) == 0 and capsys.readouterr().out == exits
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--halt", "kl"]) == 2
+    one_line_error(capsys, "CRITERION:THRESHOLD")

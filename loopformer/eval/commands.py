@@ -1,22 +1,34 @@
-"""The `loopformer eval` command: a checkpoint's test metrics and its metric after every loop (paper Table 2)."""
+"""The `loopformer eval` command: a checkpoint's test metrics and its metric after every loop (paper Table 2); with
+`--halt RULE` (repeatable) or `--halt-sweep CRITERIA` also adaptive depth: accuracy, loops used and wall time next
+to fixed depth (`loopformer.eval.halting`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from loopformer.commandline import add_device, add_quiet, add_rows
+from loopformer.commandline import HALT_HELP, add_device, add_quiet, add_rows
 from loopformer.configio import from_dict
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import MAX_LOOPS, check_eval_args, evaluate, format_results
+from loopformer.eval.halting import evaluate_halting, format_halting, halting_sweep, sweep_plot
+from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.fileio import pick_device, write_json
 from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.sources import TaskConfig, make_data
 
 
 def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | None = None, device: str = "auto",
-                        limit: int = 0, batch_size: int = 256, loopwise: bool = True, progress: bool = True) -> dict:
-    """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise)."""
+                        limit: int = 0, batch_size: int = 256, loopwise: bool = True, progress: bool = True,
+                        halt: list[str] | None = None, halt_sweep: list[str] | None = None,
+                        timestep_past: str | None = None) -> dict:
+    """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise); with `halt`
+    rules also adaptive depth ("halting"), with `halt_sweep` criteria the sweep ("halting_sweep");
+    `timestep_past` overrides the model's behaviour past its trained loops."""
+    rules = [HaltRule.parse(h) for h in halt or []]
+    for c in halt_sweep or []:
+        if c not in CRITERIA:
+            raise UserError(f"unknown halting criterion {c!r} (choose from {', '.join(CRITERIA)})")
     check_eval_args(None, None, batch_size, limit)
     p = resolve_checkpoint(path)
     model_cfg, extra = read_config(p)
@@ -26,7 +38,7 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
         raise UserError(f"{p} records no task (it was not written by `loopformer train`)")
     task_cfg = from_dict(TaskConfig, run["task"])
     dev = pick_device(device)
-    model = load(p, device=dev)
+    model = load(p, device=dev, **({"timestep_past": timestep_past} if timestep_past else {}))
     data = make_data(task_cfg)
     r = loops or model.config.loops
     cap = max(MAX_LOOPS, 2 * model.config.loops)
@@ -34,6 +46,14 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
                    batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=progress)
     res["checkpoint"] = str(p)
     res["trained_loops"] = model.config.loops
+    res["timestep_past"] = model.config.timestep_past
+    res["causal"] = model.config.causal
+    if rules:
+        res["halting"] = evaluate_halting(model, data, rules, loops=loops, batch_size=batch_size, limit=limit,
+                                          device=dev, progress=progress)
+    if halt_sweep:
+        res["halting_sweep"] = halting_sweep(model, data, halt_sweep, loops=r, batch_size=batch_size, limit=limit,
+                                             device=dev, progress=progress)
     return res
 
 
@@ -45,11 +65,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise UserError(f"--json {args.json}: folder {parent} does not exist")
         if Path(args.json).is_dir():
             raise UserError(f"--json {args.json} is a folder")
+    sweep = None if args.halt_sweep is None else \
+        (list(CRITERIA) if args.halt_sweep == "all" else [c.strip() for c in args.halt_sweep.split(",")])
+    if args.plot and not sweep:
+        raise UserError("--plot draws the --halt-sweep; give --halt-sweep CRITERIA")
     res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device, args.n, args.batch_size,
-                              loopwise=not args.no_loopwise, progress=not args.quiet)
+                              loopwise=not args.no_loopwise, progress=not args.quiet, halt=args.halt,
+                              halt_sweep=sweep, timestep_past=args.past_r)
     print(f"checkpoint: {res['checkpoint']} (trained with r = {res['trained_loops']}; evaluated at r = "
-          f"{res['loops']})")
+          f"{res['loops']}; loop index past r: {res['timestep_past']})")
     print(format_results(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"]))
+    for key, title in (("halting", "adaptive depth"), ("halting_sweep", "adaptive depth, threshold sweep")):
+        if key in res:
+            print(f"\n{title} (at most {res[key]['loops']} loops; loops per "
+                  f"{'supervised token' if res['causal'] else 'row'}):")
+            print(format_halting(res[key]))
+    if args.plot:
+        sweep_plot(res["halting_sweep"], args.plot, title=f"{Path(res['checkpoint']).parent.name}: adaptive depth")
+        print(f"wrote {args.plot}")
     if args.json:
         write_json(args.json, res)
         print(f"wrote {args.json}")
@@ -67,6 +100,13 @@ def register(subparsers) -> None:
     add_rows(p, 0, "only the first N test rows (0: all)")
     p.add_argument("--batch-size", type=int, default=256)
     add_device(p)
+    p.add_argument("--halt", action="append", metavar="RULE", help=HALT_HELP + " (repeat to compare rules)")
+    p.add_argument("--halt-sweep", metavar="CRITERIA",
+                   help="accuracy against mean loops over a range of thresholds for each criterion (comma-separated, "
+                        "or all), next to the fixed-depth curve")
+    p.add_argument("--plot", metavar="FILE", help="draw the --halt-sweep (PNG)")
+    p.add_argument("--past-r", choices=["continue", "clamp"], default=None,
+                   help="the timestep encoding's loop index past the trained loops (default: the checkpoint's)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     add_quiet(p, "no progress bar")
     p.set_defaults(func=cmd_eval)

@@ -13,6 +13,8 @@ cells with several runs (seeds) show their mean. Files written into the sweep fo
     loops.png       the metric against the loop count r: one line per variant, the standard Transformer as a
                     dashed level (one panel per task)
     loopwise.png    the metric after each loop t = 1..R of every looped run (the trained r marked): extrapolation
+    halting.md      runs evaluated with halting rules (`eval.halt`): each rule's metric, mean loops, loops saved
+                    and wall-time speed-up next to fixed depth (only when some run has them)
 """
 
 from __future__ import annotations
@@ -257,8 +259,27 @@ def plot_loopwise(runs: list[dict], path: str | os.PathLike) -> Optional[Path]:
     return path
 
 
+def halting_table(runs: list[dict]) -> Optional[str]:
+    """One row per (run, halting rule) of the runs evaluated with `eval.halt` (None when no run was)."""
+    rows = [r for r in runs if r.get("halting")]
+    if not rows:
+        return None
+    lines = ["| run | rule | metric | fixed r | halting | mean loops | loops saved | speed-up |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h = r["halting"]
+        m = h["metric"]
+        fixed = _fmt(h["fixed"]["metrics"][m], m)
+        for q in h["rules"]:
+            lines.append(f"| {Path(r['_dir']).name} | {q['rule']} | {m} | {fixed} (r = {h['loops']}) | "
+                         f"{_fmt(q['metrics'][m], m)} | {q['mean_loops']:.2f} | {100 * q['loops_saved']:.0f} % | "
+                         f"{q['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = None) -> dict[str, Any]:
-    """Write table.md, table.csv, runs.csv, loops.png, loopwise.png into `out` (default: `folder`)."""
+    """Write table.md, table.csv, runs.csv, loops.png, loopwise.png (and halting.md) into `out` (default:
+    `folder`)."""
     runs = find_runs(folder)
     md, tab = table(runs)
     dest = Path(out or folder)
@@ -271,4 +292,7 @@ def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = N
     lw = plot_loopwise(runs, dest / "loopwise.png")
     if lw is not None:
         written["loopwise.png"] = lw
+    halting = halting_table(runs)
+    if halting is not None:
+        written["halting.md"] = write_text(dest / "halting.md", halting)
     return {"markdown": md, "files": written, "runs": len(runs)}

@@ -18,6 +18,7 @@ from loopformer.errors import UserError
 
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _HEADS = ("lm", "sequence", "regression")
+_PAST_R = ("continue", "clamp")
 
 
 @dataclass
@@ -51,7 +52,12 @@ class ModelConfig:
     timestep_gate_init: float = 1.0   # initial residual gates γ1, γ2 (b5's gate half). 1 (default): the untrained TMLT
                                       # block is the untrained looped block; 0: adaLN-Zero, the paper's and the
                                       # authors' choice (the untrained block is the identity). See docs/tmlt-study.md
+    timestep_past: str = "continue"   # the loop index past the trained loops (t >= loops): "continue" the sinusoid
+                                      # PE(t) | "clamp" to the last trained t = loops - 1 (a learned table always
+                                      # clamps). Changes no weights: choose it at load / evaluation time
     input_injection: bool = False     # add the read-in embedding before every loop after the first
+    exit_gate: bool = False           # a learned exit gate: one stop logit per position after every loop
+                                      # (loopformer.model.halting.ExitGate); off: no extra weights
     # L2: read-out
     head: str = "lm"                  # "lm" (per-token logits) | "sequence" (pooled classes) | "regression"
     n_out: Optional[int] = None       # default: vocab_size for "lm", 1 for "regression"
@@ -95,11 +101,14 @@ class ModelConfig:
         need(self.timestep_embed in ("sinusoid", "learned"),
              f"timestep_embed must be 'sinusoid' or 'learned' (got {self.timestep_embed!r})")
         need(math.isfinite(self.timestep_scale) and self.timestep_scale > 0, "timestep_scale must be > 0")
+        need(self.timestep_past in _PAST_R, f"timestep_past must be one of {_PAST_R} (got {self.timestep_past!r})")
         need(self.grad_loops is None or self.grad_loops >= 1, "grad_loops must be >= 1 (or null for all loops)")
         need(self.compat in ("none", "authors"), f"compat must be 'none' or 'authors' (got {self.compat!r})")
         if self.tie_embeddings:
             need(self.vocab_size > 0 and self.head == "lm" and self.out_dim == self.vocab_size,
                  "tie_embeddings needs token input and an lm head over the vocabulary")
+        need(not (self.exit_gate and self.head == "sequence"),
+             "exit_gate needs a per-position read-out (head lm or regression), not head='sequence'")
         need(self.init_std > 0, "init_std must be positive")
         need(math.isfinite(self.timestep_gate_init), "timestep_gate_init must be a finite number")
 

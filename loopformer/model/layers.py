@@ -97,6 +97,52 @@ class KVCache:
         return self.k[slot, :, :, :end], self.v[slot, :, :, :end]
 
 
+class RunningKV:
+    """The running rows of a `KVCache` during per-token halting (`LoopedTransformer` with a causal `HaltRule`).
+
+    A position that has stopped looping keeps the keys/values of its deepest computed loop in every later loop's
+    slot ("frozen"); later tokens read those. `update` writes the new keys/values of the running positions only
+    (`running` [n,T] bool) and, for the stopped ones, carries the previous loop's entry forward:
+
+        cache[slot][rows, :, new] = running ? k : cache[slot − k][rows, :, new]      (k layers per block)
+
+    Rows that stop entirely leave the batch; `freeze_rows` then copies their deepest loop into every later slot.
+    """
+
+    def __init__(self, cache: KVCache, rows: torch.Tensor, running: Optional[torch.Tensor], layers: int,
+                 all_running: bool):
+        self.cache, self.rows, self.running, self.layers = cache, rows, running, layers
+        self.all_rows = rows.numel() == cache.k.shape[1]                        # rows = 0..B-1 (never reordered)
+        self.all_running = all_running                                          # running is all True (or None)
+
+    def update(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, rows = self.cache, self.rows
+        start, end = c.length, c.length + k.shape[2]
+        if slot >= self.layers and not self.all_running:                        # stopped positions: carried
+            keep = self.running[:, None, :, None]                               # [n,1,T,1]
+            k = torch.where(keep, k, c.k[slot - self.layers, rows, :, start:end])
+            v = torch.where(keep, v, c.v[slot - self.layers, rows, :, start:end])
+        if self.all_rows:                                                       # views, no copies
+            return c.update(slot, k, v)
+        c.k[slot, rows, :, start:end] = k
+        c.v[slot, rows, :, start:end] = v
+        return c.k[slot, rows, :, :end], c.v[slot, rows, :, :end]
+
+    def freeze_rows(self, rows: torch.Tensor, loop: int, T: int) -> None:
+        """Rows `rows` stopped after loop `loop` (1-based): copy the slots of that loop into all later loops' slots,
+        for this call's T new positions."""
+        c, k = self.cache, self.layers
+        start, end = c.length, c.length + T
+        for i in range(k):
+            src = (loop - 1) * k + i
+            later = torch.arange(loop * k + i, c.slots, k, device=rows.device)
+            if later.numel() == 0:
+                continue
+            for buf in (c.k, c.v):
+                val = buf[src, rows, :, start:end]                               # [m,H,T,Dh]
+                buf[later[:, None], rows[None, :], :, start:end] = val.unsqueeze(0).expand(len(later), *val.shape)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention through `scaled_dot_product_attention`; q, k, v come from one projection."""
 

@@ -24,8 +24,9 @@ from torch.utils.checkpoint import checkpoint
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.model.diagnostics import is_timestep_param
+from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, latent_change, stops, update_streak
 from loopformer.model.heads import Embed, Head
-from loopformer.model.layers import KVCache, RMSNorm, TimestepEmbedder, make_layer
+from loopformer.model.layers import KVCache, RMSNorm, RunningKV, TimestepEmbedder, make_layer
 
 
 @dataclass
@@ -35,6 +36,10 @@ class LoopOutput:
     all_logits: Optional[torch.Tensor] = None    # [R,B,T,C]: the read-out applied after every loop
     all_hidden: Optional[torch.Tensor] = None    # [R,B,T,D]
     loops: int = 0                               # loops actually run (fewer than asked when halting early)
+    stop_logits: Optional[torch.Tensor] = None      # [B,T] the exit gate's stop logits after the last loop
+    exit_loops: Optional[torch.Tensor] = None       # with a halting rule: the loop each row [B] (per token: [B,T])
+                                                    # stopped after, 1..R
+    all_stop_logits: Optional[torch.Tensor] = None  # [R,B,T] ... after every loop (with return_all)
 
 
 class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pretrained / push_to_hub
@@ -47,6 +52,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             self.timestep = TimestepEmbedder(cfg) if cfg.timestep else None
         self.norm_f = RMSNorm(cfg.d_model, True, cfg.norm_eps) if cfg.final_norm else nn.Identity()
         self.head = Head(cfg)                                                       # L2
+        self.exit_gate = ExitGate(cfg.d_model, eps=cfg.norm_eps) if cfg.exit_gate else None   # stop logits
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.head.proj.weight = self.embed.tok.weight
@@ -63,7 +69,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         is exactly the untrained looped model of that seed (paired comparisons).
         """
         std = self.config.init_std
-        named = list(self.named_parameters())
+        named = [(n, p) for n, p in self.named_parameters() if not n.startswith("exit_gate.")]  # drawn: none
         for name, p in [*((n, p) for n, p in named if not is_timestep_param(n)),
                         *((n, p) for n, p in named if is_timestep_param(n))]:
             if name.endswith("bias"):
@@ -78,6 +84,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             nn.init.normal_(self.timestep.table.weight, 0.0, 1.0)   # the sinusoid's scale: entries of size ~1
         for blk in self.blocks:
             blk.reset_modulation(self.config.timestep_gate_init)
+        if self.exit_gate is not None:
+            self.exit_gate.reset_parameters()
 
     # ------------------------------------------------------------------ helpers
     def num_params(self, exclude_positions: bool = False) -> int:
@@ -97,24 +105,38 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         cache.loops = loops or cfg.loops
         return cache
 
+    def loop_indices(self, loops: int, device: torch.device) -> torch.Tensor:
+        """The loop index t fed to the timestep encoding at loops 0..R-1: t itself, or past the trained loops r
+        (t >= r) with `timestep_past="clamp"` the last trained index r - 1.  [R] int64."""
+        t = torch.arange(loops, device=device)
+        return t.clamp(max=self.config.loops - 1) if self.config.timestep_past == "clamp" else t
+
     def modulations(self, loops: int, device: torch.device) -> Optional[torch.Tensor]:
         """[γ1, γ2, s1, s2] for every loop and layer at once: [R, k, 4, D] (None without timestep encoding)."""
         if self.timestep is None:
             return None
-        te = F.silu(self.timestep(torch.arange(loops, device=device)))                 # SiLU(TE(t)): [R,D]
+        te = F.silu(self.timestep(self.loop_indices(loops, device)))                   # SiLU(TE(t)): [R,D]
         return torch.stack([blk.loop_modulation(te) for blk in self.blocks], dim=1)   # [R,k,4,D]
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *, loops: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
                 positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
-                return_all: bool = False, halt_tol: Optional[float] = None) -> LoopOutput:
+                return_all: bool = False, halt_tol: Optional[float] = None, halt: Optional[HaltRule | str] = None,
+                halt_positions: Optional[torch.Tensor] = None, per_token: Optional[bool] = None) -> LoopOutput:
         """Run L1, then the block `loops` times, then L2.
 
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
         S = cached + T.  cache: from `new_cache` (generation; each loop reads its own slot).
         return_all: also return every loop's hidden state and read-out.  halt_tol: stop looping (inference) once
-        every sequence's hidden state changes by less than this relative amount in one loop.
+        every sequence's hidden state changes by less than this relative amount in one loop (the whole batch at
+        once; `halt="latent:..."` stops each row by itself).
+        halt: adaptive depth per row, or per token (`per_token`, default for causal models), by a `HaltRule` (or its
+        text, e.g. "kl:1e-3"): see `halting_forward`; halt_positions [B,T] bool: the positions a row's criterion
+        is taken over (default: every real token).
         """
+        if halt is not None:
+            return self.halting_forward(x, halt, loops=loops, attn_mask=attn_mask, positions=positions, cache=cache,
+                                        halt_positions=halt_positions, per_token=per_token)
         cfg = self.config
         R = self._check_call(x, loops, cache, halt_tol)
         past = cache.length if cache is not None else 0
@@ -143,6 +165,108 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         if cache is not None:
             cache.length += x.shape[1]
         return self._read_out(h, states if return_all else None, attn_mask, ran)         # L2
+
+    @torch.no_grad()
+    def halting_forward(self, x: torch.Tensor, halt: HaltRule | str, *, loops: Optional[int] = None,
+                        attn_mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                        cache: Optional[KVCache] = None, halt_positions: Optional[torch.Tensor] = None,
+                        per_token: Optional[bool] = None) -> LoopOutput:
+        """Adaptive depth (inference): every row — in a causal model every token — loops until `halt` says it is
+        done (`loopformer.model.halting`), at most R loops (`loops`, else the rule's max, else the model's).
+
+        Per row: the rows still running are gathered into a smaller batch before each loop; a row that stops
+        leaves it, its hidden state is scattered back, and the read-out is taken once at the end. A row's output is
+        exactly that of a fixed-depth run with its exit loop (no row sees another).
+        Per token (causal models; the only mode with a key/value cache): a token that stops keeps its hidden state,
+        and in every later loop its keys/values are those of its deepest computed loop (the policy later tokens
+        and later generation steps read: `RunningKV`); a row leaves the batch when all its tokens have stopped.
+        Without a cache the call uses a temporary one, so a full recomputation and cached generation follow the
+        same policy.  Returns `exit_loops` [B] (per token [B,T]); `loops` is the most loops any row ran.
+        """
+        cfg = self.config
+        rule = HaltRule.parse(halt) if isinstance(halt, str) else halt
+        per_token = cfg.causal if per_token is None else per_token
+        if per_token and not cfg.causal:
+            raise UserError("per-token halting needs a causal model (a token may not see later tokens)")
+        if cache is not None and not per_token:
+            raise UserError("halting with a key/value cache is per token (per_token=True)")
+        R = loops if loops is not None else (cache.loops if cache is not None else (rule.max_loops or cfg.loops))
+        R = self._check_call(x, R, cache, None)
+        bound = min(rule.bound(R), R)
+        B, T = x.shape[:2]
+        if per_token and cache is None:   # a temporary cache holds the frozen keys/values of stopped tokens
+            cache = self.new_cache(B, max_len=T, loops=R)
+        past = cache.length if cache is not None else 0
+        mask = self._mask(attn_mask, T, past, x.device)                                # [B|1,1,T,S] | None
+        e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
+        mods = self._loop_modulations(R, x.device, cache)                              # [R,k,4,D] | None
+        P = halt_positions if halt_positions is not None else \
+            (attn_mask[:, past:].bool() if attn_mask is not None and T > 1 else None)  # [B,T] | None: all
+
+        tokenwise = per_token and T > 1              # one new token per row (generation): its row is its token
+        run = torch.arange(B, device=x.device)                                         # the running rows
+        h, h_out = e, torch.empty_like(e)                                              # [n,T,D], [B,T,D]
+        exits = torch.full((B, T) if tokenwise else (B,), bound, dtype=torch.long, device=x.device)
+        streak = torch.zeros_like(exits)                                               # [n] | [n,T]
+        going = torch.ones(B, T, dtype=torch.bool, device=x.device) if tokenwise else None   # [n,T] not stopped
+        ex_run, P_run, all_going = exits, P, True                                      # ... of the running rows
+        logits_prev, e_run, mask_run = None, e, mask
+        for t in range(bound):                      # ---- the loop over the running rows:  h <- TF(h (+ e), t) ----
+            inp = h + e_run if (t > 0 and cfg.input_injection) else h
+            kv = RunningKV(cache, run, going, len(self.blocks), all_going) if per_token else None
+            h_new = self._block(inp, None if mods is None else mods[t], mask_run, kv, t)
+            if not all_going:                        # stopped tokens keep their state
+                h_new = torch.where(going[..., None], h_new, h)
+            logits = self.head(self.norm_f(h_new), None if attn_mask is None else attn_mask[run]) \
+                if rule.needs_read_out else None
+            holds = criterion_holds(rule, hidden=h_new, hidden_prev=h if t > 0 else None, logits=logits,
+                                    logits_prev=logits_prev, positions=P_run,
+                                    stop_logits=None if self.exit_gate is None else self.exit_gate(h_new),
+                                    per_token=tokenwise)
+            streak = update_streak(streak, holds)
+            done = stops(rule, streak, t + 1, R)                                       # [n] | [n,T]
+            if tokenwise:
+                ex_run = torch.where(done & going, t + 1, ex_run)
+                going = going & ~done
+                left = ~(going if P_run is None else going & P_run).any(-1)           # [n]: every token stopped
+            else:
+                left = done
+            h = h_new
+            if bool(left.any()):                     # rows that stopped leave the batch
+                gone = run[left]
+                h_out[gone] = h[left]
+                exits[gone] = ex_run[left] if tokenwise else t + 1
+                if per_token and t + 1 < R:
+                    kv.freeze_rows(gone, t + 1, T)
+                stay = ~left
+                run, h, streak = run[stay], h[stay], streak[stay]
+                logits = None if logits is None else logits[stay]
+                e_run, mask_run = e[run], self._rows(mask, run, B)
+                P_run = None if P is None else P[run]
+                if tokenwise:
+                    going, ex_run = going[stay], ex_run[stay]
+            logits_prev = logits
+            if run.numel() == 0:
+                break
+            if tokenwise:
+                all_going = bool(going.all())
+        if run.numel():
+            h_out[run] = h
+            exits[run] = ex_run if tokenwise else bound
+        if per_token and not tokenwise:
+            exits = exits[:, None]                                                     # [B,1]
+        if cache is not None:
+            cache.length += T
+        out = self._read_out(h_out, None, attn_mask, int(exits.max()))                 # L2
+        out.exit_loops = exits
+        return out
+
+    @staticmethod
+    def _rows(mask: Optional[torch.Tensor], run: torch.Tensor, B: int) -> Optional[torch.Tensor]:
+        """The attention mask of the running rows (a mask shared by all rows stays as it is)."""
+        if mask is None or mask.shape[0] == 1 or run.numel() == B:
+            return mask
+        return mask[run]
 
     # ------------------------------------------------------------------ forward's parts
     def _check_call(self, x: torch.Tensor, loops: Optional[int], cache: Optional[KVCache],
@@ -209,14 +333,18 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
     @staticmethod
     def _settled(h_prev: torch.Tensor, h: torch.Tensor, tol: float) -> bool:
         """Whether every sequence's hidden state changed by less than `tol` (relative) in the last loop."""
-        change = (h - h_prev).flatten(1).norm(dim=1) / h_prev.flatten(1).norm(dim=1).clamp(min=1e-12)
-        return bool((change < tol).all())
+        return bool((latent_change(h_prev, h) < tol).all())
 
     def _read_out(self, h: torch.Tensor, states: Optional[list[torch.Tensor]], attn_mask: Optional[torch.Tensor],
                   ran: int) -> LoopOutput:
-        """L2 after the last loop (and after every loop when `states` holds them)."""
+        """L2 after the last loop (and after every loop when `states` holds them); the exit gate's stop logits
+        likewise when the model has one."""
         out = LoopOutput(logits=self.head(self.norm_f(h), attn_mask), hidden=h, loops=ran)
         if states is not None:
             out.all_hidden = torch.stack(states)                                       # [R,B,T,D]
             out.all_logits = self.head(self.norm_f(out.all_hidden), attn_mask)         # [R,B,T,C]
+        if self.exit_gate is not None:
+            out.stop_logits = self.exit_gate(h)                                        # [B,T]
+            if states is not None:
+                out.all_stop_logits = self.exit_gate(out.all_hidden)                   # [R,B,T]
         return out

@@ -10,6 +10,8 @@ A data source is one kind of task (token task, vector task, text corpus) seen by
     fetch(keys, step)   those rows as tensors
     test_batches(B, n)  the test split (its first n rows; 0: all) in batches of numpy arrays
     evaluate_loops(...) the metrics after every loop (or after the last) on the test split
+    evaluate_with(...)  the metrics of one or more forward functions (e.g. fixed depth and adaptive depth), run
+                        side by side on every test batch, with the loops each forward's rows used
     describe()          what checkpoints and results record under "task"
 
 Batches are dicts: inputs [B,T] (ids) or [B,T,Din] (reals); targets [B,T] (ids, IGNORE outside the loss) or [B,T]
@@ -108,6 +110,15 @@ class DataSource:
         """The metrics of `model` (in eval mode, no gradients) on the test split after every loop 1..`loops`
         (`all_loops`), or after the last only (a list of one)."""
         raise NotImplementedError
+
+    def evaluate_with(self, forwards: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]], batch_size: int,
+                      limit: int, device: torch.device, progress: bool
+                      ) -> dict[str, tuple[dict[str, float], Optional[np.ndarray]]]:
+        """For each named forward `f(x, positions) -> LoopOutput` (x the inputs of a test batch, positions [b,T] the
+        supervised positions), its metrics on the test split and the exit loop of every counted unit (a row, or a
+        supervised token when `exit_loops` is per token; None without exits). The forwards take turns on every
+        batch, so their wall times (measured by the caller) see the same machine state."""
+        raise UserError(f"evaluation with adaptive depth supports token tasks, not {self.kind} data")
 
     def describe(self) -> dict[str, Any]:
         """What the checkpoint records under "task"."""

@@ -16,7 +16,7 @@ from loopformer.data.dataset import open_dataset, read_manifest
 from loopformer.errors import UserError
 from loopformer.sources.base import (DataSource, TaskConfig, check_dir, eval_rows, plain, read_outs,
                                      stream_indices)
-from loopformer.tasks import TASKS, TokenTask, get_task
+from loopformer.tasks import IGNORE, TASKS, TokenTask, get_task
 
 
 def hide_answers(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -117,6 +117,25 @@ class TokenData(DataSource):
         if not all_loops:
             return [self.metrics(pred[0], full)]
         return [self.metrics(pred[t], full) for t in range(pred.shape[0])]
+
+    def evaluate_with(self, forwards, batch_size, limit, device, progress):
+        preds: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
+        exits: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
+        full = {k: np.asarray(v)[:limit or None] for k, v in self.test.items()
+                if np.ndim(v) >= 1 and len(v) == len(self.test["inputs"])}
+        n = len(full["inputs"])
+        for i in tqdm(range(0, n, batch_size), desc="eval", disable=not progress, leave=False):
+            x = torch.as_tensor(np.asarray(full["inputs"][i:i + batch_size], dtype=np.int64), device=device)
+            y = torch.as_tensor(np.asarray(full["targets"][i:i + batch_size], dtype=np.int64), device=device)
+            supervised = y != IGNORE                                                       # [b,T]
+            for name, forward in forwards.items():
+                out = forward(x, supervised)
+                preds[name].append(out.logits.argmax(-1).cpu().numpy())                       # [b,T]
+                if out.exit_loops is not None:
+                    e = out.exit_loops if out.exit_loops.dim() == 1 else out.exit_loops[supervised]
+                    exits[name].append(e.cpu().numpy())
+        return {k: (self.metrics(np.concatenate(preds[k]), full), np.concatenate(exits[k]) if exits[k] else None)
+                for k in forwards}
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.task.name, "options": plain(self.task.options()), "data_dir": self.cfg.data_dir,

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Optional
 
-from loopformer.commandline import add_device, add_group, add_quiet
+from loopformer.commandline import add_device, add_group, add_halt, add_quiet
 from loopformer.errors import UserError
 from loopformer.fileio import pick_device, write_json
 from loopformer.model.io import load, read_config
@@ -87,6 +87,7 @@ def _generate_parser(parent, help_suffix: str) -> None:
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the prepared corpus whose tokenizer to use (default: the one the checkpoint was trained on)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
+    add_halt(p)
     add_device(p)
     p.set_defaults(func=_generate)
 
@@ -138,7 +139,7 @@ def _perplexity(args) -> int:
 
 def _generate(args) -> int:
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, loops=args.loops)
+                         top_p=args.top_p, seed=args.seed, loops=args.loops, halt=args.halt)
     device = pick_device(args.device)
     if not os.path.isdir(args.checkpoint):
         raise UserError(f"checkpoint not found: {args.checkpoint}")

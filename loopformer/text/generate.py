@@ -11,6 +11,12 @@ positions from the mask, so each row sees exactly what it would see alone. Row i
 column P-1 for every row, so all rows advance together; a row that has emitted EOS keeps being fed (its later tokens
 are discarded).
 
+Adaptive depth (`SamplingConfig.halt`, e.g. "kl:1e-3"): every token loops until the rule says it is done (at most
+R loops). A token that stops at loop t computes no keys/values for loops t+1..R; its cache slots for those loops hold
+its deepest computed loop's keys/values (the policy of Huginn's per-token exits), and later tokens read them there
+(`loopformer.model.layers.RunningKV`). A recomputation without the cache follows the same policy, so cached and
+recomputed generation agree. Rows whose new token has stopped leave the batch for the remaining loops.
+
 Sampling (`sample_next`): logits / temperature (0 = greedy), then top-k (keep the k largest), then top-p (keep the
 smallest set of tokens whose probability reaches p), then one draw from a seeded `torch.Generator` — the same seed
 gives the same text.
@@ -28,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
+from loopformer.model.halting import HaltRule
 
 
 @dataclass
@@ -39,6 +46,7 @@ class SamplingConfig:
     seed: int = 0
     stop_at_eos: bool = True
     loops: Optional[int] = None     # loops at inference (default: the model's)
+    halt: Optional[str] = None      # adaptive depth per token, a halting rule such as "kl:1e-3" (None: fixed depth)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -51,6 +59,8 @@ class SamplingConfig:
             raise UserError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.loops is not None and self.loops < 1:
             raise UserError(f"loops must be >= 1 (got {self.loops})")
+        if self.halt is not None:
+            HaltRule.parse(self.halt)
 
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> torch.Tensor:
@@ -99,6 +109,7 @@ class Generation:
     tokens: list[list[int]]              # new tokens per prompt, up to and including EOS when stopped by it
     logits: Optional[torch.Tensor]       # [B,N,V] the logits each new token was sampled from (if asked)
     finished: list[bool]                 # stopped by EOS
+    exit_loops: Optional[torch.Tensor] = None   # [B,N] with a halting rule: the loops each new token's logits took
 
 
 def _device(model) -> torch.device:
@@ -126,18 +137,27 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
         raise UserError(f"prompt ({P} tokens) + {N} new tokens exceed the model's context of {max_len}; "
                         "shorten them or generate without the cache")
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    kw = {} if cfg.loops is None else {"loops": cfg.loops}
+    kw: dict = {} if cfg.loops is None else {"loops": cfg.loops}
+    if cfg.halt is not None:
+        kw["halt"] = HaltRule.parse(cfg.halt)
     was_training = model.training
     model.eval()
     out_tokens = torch.zeros(B, 0, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    all_logits = []
+    all_logits, exit_loops = [], []
+
+    def last(out) -> torch.Tensor:   # the logits of the last position [B,V] (and its exit loop)
+        if out.exit_loops is not None:
+            exit_loops.append(out.exit_loops[:, -1])
+        return out.logits[:, -1]
+
     try:
         if use_cache:
-            cache = model.new_cache(B, max_len=P + N, loops=cfg.loops)
-            logits = model(idx, attn_mask=mask, cache=cache, **kw).logits[:, -1]         # [B,V]
+            loops = cfg.loops or (kw["halt"].max_loops if cfg.halt is not None else None)
+            cache = model.new_cache(B, max_len=P + N, loops=loops)
+            logits = last(model(idx, attn_mask=mask, cache=cache, **kw))                # [B,V]
         else:
-            logits = model(idx, attn_mask=mask, **kw).logits[:, -1]
+            logits = last(model(idx, attn_mask=mask, **kw))
         for step in tqdm(range(N), desc="generating", unit="tok", disable=not progress):
             if return_logits:
                 all_logits.append(logits.float())
@@ -149,13 +169,13 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool, device=device)], dim=1)
             if use_cache:
-                logits = model(nxt[:, None], attn_mask=mask, cache=cache, **kw).logits[:, -1]
+                logits = last(model(nxt[:, None], attn_mask=mask, cache=cache, **kw))
             else:
                 idx = torch.cat([idx, nxt[:, None]], dim=1)
                 x, m = idx, mask
                 if max_len is not None and x.shape[1] > max_len:
                     x, m = x[:, -max_len:], m[:, -max_len:]
-                logits = model(x, attn_mask=m, **kw).logits[:, -1]
+                logits = last(model(x, attn_mask=m, **kw))
     finally:
         if was_training:
             model.train()
@@ -163,7 +183,8 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
     if cfg.stop_at_eos and eos_id is not None:
         toks = [t[:t.index(eos_id) + 1] if eos_id in t else t for t in toks]
     return Generation(tokens=toks, logits=torch.stack(all_logits, 1) if return_logits else None,
-                      finished=[bool(f) for f in finished.tolist()])
+                      finished=[bool(f) for f in finished.tolist()],
+                      exit_loops=torch.stack(exit_loops[:len(out_tokens[0])], 1).cpu() if exit_loops else None)
 
 
 def generate_text(model, tokenizer, prompts: Sequence[str], cfg: Optional[SamplingConfig] = None,

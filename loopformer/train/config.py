@@ -21,9 +21,11 @@ from omegaconf.errors import OmegaConfBaseException
 from loopformer.configio import one_line, load_config, user_layers
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
+from loopformer.model.halting import HaltRule
 from loopformer.sources import TaskConfig, model_fields
 
 LOSS_LOOPS = ("last", "all", "window")
+EXIT_LOSSES = ("target", "distribution")
 SCHEDULES = ("linear", "cosine", "constant", "onecycle")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -61,6 +63,12 @@ class TrainConfig:
     timestep_lr_mult: float = 0.1     # lr multiplier of the timestep embedder and the modulations (TMLT); 1: the
                                       # paper's single learning rate. See docs/tmlt-study.md
     timestep_weight_decay: Optional[float] = None  # their weight decay (None: weight_decay)
+    exit_loss: str = "target"         # how a model's exit gate (model.exit_gate) learns: "target" (BCE on "the
+                                      # read-out after loop t is already correct", as TRM) | "distribution" (the
+                                      # per-loop losses weighted by the exit distribution, as Ouro); see
+                                      # loopformer.model.halting
+    exit_loss_weight: float = 1.0     # weight of the exit loss next to the task loss
+    exit_entropy_weight: float = 0.01 # "distribution": β, the weight of the exit distribution's entropy bonus
 
     def __post_init__(self) -> None:
         _need(self.steps >= 0 and self.epochs >= 0, "train.steps and train.epochs must be >= 0")
@@ -82,6 +90,9 @@ class TrainConfig:
         _need(self.timestep_lr_mult > 0, f"train.timestep_lr_mult must be > 0 (got {self.timestep_lr_mult})")
         _need(self.timestep_weight_decay is None or self.timestep_weight_decay >= 0,
               "train.timestep_weight_decay must be >= 0 (or null)")
+        _need(self.exit_loss in EXIT_LOSSES, f"train.exit_loss must be one of {EXIT_LOSSES} (got {self.exit_loss!r})")
+        _need(self.exit_loss_weight >= 0 and self.exit_entropy_weight >= 0,
+              "train.exit_loss_weight and train.exit_entropy_weight must be >= 0")
 
 
 @dataclass
@@ -90,10 +101,17 @@ class EvalConfig:
     n: int = 0                        # evaluate on the first n test samples (0: all)
     max_loops: int = 0                # loop-wise evaluation up to this many loops (0: 2 × the trained loops)
     loopwise: bool = True             # record the metric after every loop t = 1..max_loops
+    halt: list[str] = field(default_factory=list)   # halting rules (e.g. [kl:1e-3, entropy:0.2]) evaluated at the
+                                      # end next to fixed depth: results.json "halting" (token tasks)
 
     def __post_init__(self) -> None:
         _need(self.batch_size >= 1 and self.n >= 0 and 0 <= self.max_loops <= 1024,
               "eval: need batch_size >= 1, n >= 0 and 0 <= max_loops <= 1024")
+        for rule in self.halt:
+            try:
+                HaltRule.parse(rule)
+            except UserError as exc:
+                raise ValueError(f"eval.halt: {exc}") from None
 
 
 @dataclass

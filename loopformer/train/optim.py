@@ -9,6 +9,12 @@ Per-loop loss (Sec. 5 / App. C.1.3: Sudoku and ICL put every loop's read-out in 
     last       the read-out after the last loop only
     all        the mean of the losses of the read-out after loops 1..R
     window     the mean over the last `loss_window` loops
+Exit gate (a model with `exit_gate`, see `loopformer.model.halting`): `exit_loss` adds, weighted by
+`exit_loss_weight`, the halting target loss (BCE on "the read-out after loop t is correct") or the exit distribution
+loss (the per-loop losses weighted by the exit distribution, minus β × its entropy). A bidirectional model's gate
+decides per row (its logit: the mean over the supervised positions), a causal model's per token. The gate reads
+the hidden states detached: its loss trains the gate only, never the trunk (with the exit-distribution loss the
+trunk still learns from the per-loop task losses that the gate weights).
 Shapes: R loops, B batch, T length, C classes.
 """
 
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from loopformer.errors import UserError
+from loopformer.model.halting import exit_distribution_loss, halting_target_loss, row_mean
 from loopformer.model.diagnostics import is_timestep_param
 from loopformer.tasks.base import IGNORE
 from loopformer.train.config import TrainConfig
@@ -110,3 +117,44 @@ def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[to
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_t, ignore_index=IGNORE,
                            reduction="sum")
     return loss, int((targets != IGNORE).sum().item())
+
+
+def per_loop_losses(all_logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                    per_token: bool = False) -> torch.Tensor:
+    """The read-out's loss after every loop: per position [R,B,T] (`per_token`; 0 outside the loss), or per row
+    [R,B] (mean over the row's supervised positions).  all_logits [R,B,T,C], targets [B,T]."""
+    R = all_logits.shape[0]
+    if targets.dtype.is_floating_point:
+        loss = (all_logits[..., 0].float() - targets).pow(2)                              # [R,B,T]
+        mask = torch.ones_like(targets, dtype=torch.bool) if weight is None else weight > 0
+        loss = loss * mask
+    else:
+        mask = targets != IGNORE
+        loss = F.cross_entropy(all_logits.flatten(0, 2).float(), targets.expand(R, *targets.shape).reshape(-1),
+                               ignore_index=IGNORE, reduction="none").view(R, *targets.shape)
+    return loss if per_token else row_mean(loss, mask)
+
+
+def per_loop_correct(all_logits: torch.Tensor, targets: torch.Tensor, per_token: bool = False) -> torch.Tensor:
+    """Whether the read-out after every loop is right: per position [R,B,T] (`per_token`), or per row [R,B] (every
+    supervised position right).  all_logits [R,B,T,C], targets [B,T] class ids."""
+    right = all_logits.argmax(-1) == targets                                               # [R,B,T]
+    return right if per_token else (right | (targets == IGNORE)).all(-1)
+
+
+def exit_loss(cfg: TrainConfig, all_logits: torch.Tensor, all_stop: torch.Tensor, targets: torch.Tensor,
+              weight: Optional[torch.Tensor] = None, per_token: bool = False) -> torch.Tensor:
+    """The exit gate's loss (`cfg.exit_loss`), unweighted: "target" or "distribution" (module docstring).
+
+    all_logits [R,B,T,C], all_stop [R,B,T] (the gate's logits after every loop), targets [B,T]."""
+    supervised = (targets != IGNORE) if not targets.dtype.is_floating_point else \
+        (torch.ones_like(targets, dtype=torch.bool) if weight is None else weight > 0)      # [B,T]
+    stop = all_stop if per_token else row_mean(all_stop, supervised)                       # [R,B,T] | [R,B]
+    mask = supervised if per_token else supervised.any(-1)                                 # [B,T] | [B]
+    if cfg.exit_loss == "target":
+        if targets.dtype.is_floating_point:
+            raise UserError("train.exit_loss=target needs class targets (use distribution for regression)")
+        correct = per_loop_correct(all_logits.detach(), targets, per_token)
+        return halting_target_loss(stop, correct, mask)
+    losses = per_loop_losses(all_logits, targets, weight, per_token)
+    return exit_distribution_loss(losses, stop, cfg.exit_entropy_weight, mask)

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import evaluate
+from loopformer.eval.halting import evaluate_halting
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint, unwrap
 from loopformer.model.looped import LoopedTransformer
@@ -43,7 +44,7 @@ from loopformer.tasks import IGNORE
 from loopformer.train import run
 from loopformer.train.config import RunConfig
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
-from loopformer.train.optim import loops_at, loss_loops, lr_at, make_optimizer, steps_for, summed_loss
+from loopformer.train.optim import exit_loss, loops_at, loss_loops, lr_at, make_optimizer, steps_for, summed_loss
 from loopformer.train.run import MetricsLog
 
 
@@ -176,6 +177,9 @@ class Trainer:
         self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
         self.model = LoopedTransformer(cfg.model).to(d.device)
         self.optimizer = make_optimizer(self.model, tc)
+        named = list(self.model.named_parameters())
+        self.gate_params = [p for n, p in named if n.startswith("exit_gate.")]
+        self.trunk_params = [p for n, p in named if not n.startswith("exit_gate.")]
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
         self.start, self.state, self.finished = 0, None, False
@@ -261,15 +265,20 @@ class Trainer:
         micro = [_to(m, d.device) for m in fetched]
         global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
         k = 1 if n_read is None else n_read
+        gated = cfg.model.exit_gate and tc.exit_loss_weight > 0                 # the exit gate reads every loop
         for i, mb in enumerate(micro):
             sync = i == len(micro) - 1
             ctx = self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
             with ctx:
                 with self.autocast():
-                    out = self.net(mb["inputs"], loops=R, return_all=n_read is not None)
+                    out = self.net(mb["inputs"], loops=R, return_all=n_read is not None or gated)
                 logits = out.logits if n_read is None else out.all_logits[-n_read:]
                 s, _ = summed_loss(logits, mb["targets"], mb.get("weight"))
                 loss = s * (d.world / (global_count * k))
+                if gated:   # a mean over this micro-batch: DDP averages it over processes
+                    stop = unwrap(self.model).exit_gate(out.all_hidden.detach())      # the gate reads, never steers
+                    loss = loss + tc.exit_loss_weight / len(micro) * exit_loss(
+                        tc, out.all_logits, stop, mb["targets"], mb.get("weight"), cfg.model.causal)
                 if self.scaler is not None:
                     self.scaler.scale(loss).backward()
                 else:
@@ -286,8 +295,10 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         if d.main and self.dyn_every and (step + 1) % self.dyn_every == 0:
             self.dyn_grads = grad_norms(self.model)              # before clipping
-        self.gnorm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip) if tc.grad_clip > 0
+        self.gnorm = (torch.nn.utils.clip_grad_norm_(self.trunk_params, tc.grad_clip) if tc.grad_clip > 0
                       else None)
+        if tc.grad_clip > 0 and self.gate_params:   # the exit gate's own norm: its loss never rescales the trunk's
+            torch.nn.utils.clip_grad_norm_(self.gate_params, tc.grad_clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -367,6 +378,9 @@ class Trainer:
         """results.json (rank 0) from the final evaluation; every process returns it."""
         cfg, d, results = self.cfg, self.d, None
         if d.main:
+            halting = None if not cfg.eval.halt else evaluate_halting(
+                self.model, self.data, cfg.eval.halt, batch_size=cfg.eval.batch_size, limit=cfg.eval.n,
+                device=d.device)
             results = run.write_results(self.run_dir, {
                 "name": cfg.name, "task": self.data.describe(), "variant": cfg.model.variant,
                 "loops": cfg.model.loops, "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep,
@@ -375,6 +389,7 @@ class Trainer:
                 "higher_is_better": final["higher_is_better"], "test": final["metrics"],
                 "loopwise": final["loopwise"], "max_loops": final["max_loops"], "world_size": d.world,
                 "device": str(d.device), "seed": cfg.seed,
+                **({"halting": halting} if halting else {}),
             })
         self.log.close()
         return broadcast_object(d, results)

@@ -1,0 +1,164 @@
+"""Adaptive depth speed: per-row halting against fixed depth, and generation with per-token exits against without.
+
+Per-row halting gathers the rows still running before every loop, so its wall time should fall with the loops
+saved. Both paths run side by side in this run (interleaved repetitions, medians); printed per rule: mean loops,
+loops saved, wall time of fixed depth and of halting, their ratio (the speed-up) next to the ideal ratio R / mean
+loops. Generation: new tokens/s with a halting rule against fixed depth (the same model, cache on), with the mean
+loops per token and the loops run per step (a step of a batch lasts as long as its slowest row), for one prompt and
+for a batch.
+
+By default the models are random with an exit gate whose stop probability varies by row / token (the rule is the
+gate's, `gate:0.5`); with `--checkpoint RUN` the per-row part uses a trained run's test split and `--halt` rules.
+
+    python benchmarks/bench_halting.py                                   # random models, CPU-sized
+    python benchmarks/bench_halting.py --checkpoint runs/demo-r8 --halt kl:1e-3 --halt argmax:2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from loopformer.configio import from_dict  # noqa: E402
+from loopformer.eval.halting import evaluate_halting  # noqa: E402
+from loopformer.model import LoopedTransformer, ModelConfig  # noqa: E402
+from loopformer.model.io import load, read_config, resolve_checkpoint  # noqa: E402
+from loopformer.sources import TaskConfig, make_data  # noqa: E402
+from loopformer.text.generate import SamplingConfig, generate  # noqa: E402
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str) -> tuple[float, object]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def random_model(args, causal: bool, max_len: int) -> LoopedTransformer:
+    """A random TMLT with an exit gate that says "stop" with a probability varying by row / token."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=args.vocab, max_len=max_len, d_model=args.d_model, n_heads=args.heads,
+                      loops=args.loops, causal=causal, timestep=True, input_injection=True, exit_gate=True)
+    model = LoopedTransformer(cfg).to(args.device).eval()
+    with torch.no_grad():
+        for blk in model.blocks:
+            torch.nn.init.normal_(blk.modulation.weight, 0, 0.02)
+        torch.nn.init.normal_(model.exit_gate.proj.weight, 0, args.gate_scale / args.d_model ** 0.5)
+        model.exit_gate.proj.bias.fill_(args.gate_bias)
+    return model
+
+
+def rows_random(args) -> list[tuple[str, float, float, float, float]]:
+    """(rule, mean loops, fixed s, halting s, ideal) for a random bidirectional model on random rows."""
+    model = random_model(args, causal=False, max_len=args.length)
+    x = torch.randint(0, args.vocab, (args.batch, args.length), device=args.device)
+    P = torch.zeros_like(x, dtype=torch.bool)
+    P[:, -1] = True                                  # each row is judged at one (answer) position, as a task's
+    with torch.no_grad():
+        model(x), model(x, halt="gate:0.5", halt_positions=P)                        # warm-up
+        fixed, halted = [], []
+        for _ in range(args.reps):   # interleaved, so load changes affect both alike
+            fixed.append(timed(lambda: model(x), args.device)[0])
+            t, out = timed(lambda: model(x, halt="gate:0.5", halt_positions=P), args.device)
+            halted.append(t)
+    mean = float(out.exit_loops.float().mean())
+    return [("gate:0.5", mean, statistics.median(fixed), statistics.median(halted), args.loops / mean)]
+
+
+def rows_checkpoint(args) -> list[tuple[str, float, float, float, float]]:
+    """The same for a trained run's test split and the `--halt` rules (`loopformer.eval.halting`)."""
+    path = resolve_checkpoint(args.checkpoint)
+    _, extra = read_config(path)
+    model = load(path, device=args.device)
+    data = make_data(from_dict(TaskConfig, extra["run"]["task"]))
+    reps = [evaluate_halting(model, data, args.halt, batch_size=args.batch, device=torch.device(args.device))
+            for _ in range(args.reps)]
+    R = reps[0]["loops"]
+    fixed = statistics.median(r["fixed"]["wall_s"] for r in reps)
+    out = []
+    for i, rule in enumerate(reps[0]["rules"]):
+        halted = statistics.median(r["rules"][i]["wall_s"] for r in reps)
+        m = data.metric
+        name = f"{rule['rule']} ({m} {rule['metrics'][m]:.4f} vs {reps[0]['fixed']['metrics'][m]:.4f})"
+        out.append((name, rule["mean_loops"], fixed, halted, R / rule["mean_loops"]))
+    return out
+
+
+def generation(args, batch: int) -> tuple[float, float, float, float]:
+    """(fixed tok/s, exits tok/s, mean loops per token, mean loops per step = the slowest row's) for a random
+    causal model generating for `batch` prompts."""
+    max_len = args.prompt_len + args.new_tokens
+    model = random_model(args, causal=True, max_len=max_len)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, args.vocab, (args.prompt_len - 3 * i,), generator=g).tolist() for i in range(batch)]
+    plain = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0)
+    exits = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0, halt="gate:0.5")
+    warm = SamplingConfig(max_new_tokens=4, temperature=0)
+    generate(model, prompts, warm), generate(model, prompts, SamplingConfig(max_new_tokens=4, temperature=0,
+                                                                           halt="gate:0.5"))
+    fixed_t, exit_t = [], []
+    for _ in range(args.reps):
+        fixed_t.append(timed(lambda: generate(model, prompts, plain), args.device)[0])
+        t, res = timed(lambda: generate(model, prompts, exits), args.device)
+        exit_t.append(t)
+    n = batch * args.new_tokens
+    loops = res.exit_loops.float()                                                  # [B,N]
+    return (n / statistics.median(fixed_t), n / statistics.median(exit_t), float(loops.mean()),
+            float(loops.max(0).values.mean()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=None, help="a trained run (token task) for the per-row part")
+    ap.add_argument("--halt", action="append", default=None, help="halting rules for --checkpoint (repeat)")
+    ap.add_argument("--batch", type=int, default=256, help="rows per forward")
+    ap.add_argument("--length", type=int, default=32, help="tokens per row (random model)")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--loops", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--gate-bias", type=float, default=-0.5, help="random gate: its bias (lower: later exits)")
+    ap.add_argument("--gate-scale", type=float, default=3.0, help="random gate: the spread of its logits")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen-batch", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    if args.checkpoint and not args.halt:
+        args.halt = ["kl:1e-3"]
+
+    print(f"device {args.device}, threads {torch.get_num_threads()}, {args.reps} interleaved repetitions (medians)")
+    rows = rows_checkpoint(args) if args.checkpoint else rows_random(args)
+    where = args.checkpoint or f"random TMLT d={args.d_model}, {args.batch} rows x {args.length} tokens"
+    print(f"\nper-row halting vs fixed depth ({where}, at most {args.loops if not args.checkpoint else 'r'} loops)")
+    print("| rule | mean loops | loops saved | fixed s | halting s | speed-up | ideal (R / mean loops) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, mean, fixed, halted, ideal in rows:
+        R = ideal * mean
+        print(f"| {name} | {mean:.2f} | {100 * (1 - mean / R):.0f} % | {fixed:.4f} | {halted:.4f} | "
+              f"{fixed / halted:.2f}x | {ideal:.2f}x |")
+    print(f"\ngeneration with per-token exits (random causal TMLT d={args.d_model}, {args.loops} loops, "
+          f"{args.new_tokens} new tokens, cache on, rule gate:0.5)")
+    print("| prompts | fixed tok/s | exits tok/s | ratio | mean loops / token | loops saved | loops run per step |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in sorted({1, args.gen_batch}):
+        fixed_tps, exit_tps, mean, per_step = generation(args, batch)
+        print(f"| {batch} | {fixed_tps:.1f} | {exit_tps:.1f} | {exit_tps / fixed_tps:.2f}x | {mean:.2f} | "
+              f"{100 * (1 - mean / args.loops):.0f} % | {per_step:.2f} |")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Evaluation with adaptive depth: the metrics of a halting rule equal the task's metrics of the per-row exits
+scored by hand; loops used and wall times are reported; the `eval --halt` / `--halt-sweep` command and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from loopformer.cli import main
+from loopformer.eval.halting import best_rule, evaluate_halting, format_halting, halting_sweep
+from loopformer.model import LoopedTransformer
+from loopformer.sources import make_data
+from loopformer.train.config import load_run_config
+
+from test_train import TINY
+
+
+def _model_and_data(*extra):
+    cfg = load_run_config(None, [*TINY, "task.answer_only=true", "model.loops=4", *extra])
+    torch.manual_seed(1)
+    model = LoopedTransformer(cfg.model)
+    with torch.no_grad():   # a random but not degenerate model: argmaxes differ per loop
+        model.head.proj.weight.mul_(20)
+        for p in model.blocks.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model.eval(), make_data(cfg.task)
+
+
+def test_halting_metrics_are_the_exits_scored_by_hand():
+    model, data = _model_and_data()
+    res = evaluate_halting(model, data, ["argmax:1", "kl:0.5", "kl:0"], batch_size=7)
+    x = torch.as_tensor(np.asarray(data.test["inputs"], dtype=np.int64))
+    y = torch.as_tensor(np.asarray(data.test["targets"], dtype=np.int64))
+    with torch.no_grad():
+        full = model(x, loops=4, return_all=True).all_logits.argmax(-1)               # [R,N,T]
+        out = model(x, halt="argmax:1", halt_positions=y != -100)
+    pred = full[out.exit_loops - 1, torch.arange(len(x))].numpy()                    # each row at its exit loop
+    r = res["rules"][0]
+    assert r["metrics"] == pytest.approx(data.task.metrics(pred, data.test), nan_ok=True)
+    assert r["mean_loops"] == pytest.approx(out.exit_loops.float().mean().item())
+    assert r["p90_loops"] == pytest.approx(np.percentile(out.exit_loops.numpy(), 90))
+    assert res["fixed"]["metrics"] == pytest.approx(data.task.metrics(full[-1].numpy(), data.test), nan_ok=True)
+    never = res["rules"][2]                                          # KL < 0 never holds: fixed depth
+    assert never["mean_loops"] == 4 and never["metrics"] == res["fixed"]["metrics"]
+    assert all(q["wall_s"] > 0 and q["speedup"] > 0 for q in res["rules"])
+    assert "| fixed r = 4 |" in format_halting(res) and "| argmax:1 |" in format_halting(res)
+
+
+def test_sweep_has_the_fixed_curve_and_a_best_rule():
+    model, data = _model_and_data()
+    res = halting_sweep(model, data, ["argmax", "entropy", "gate"], batch_size=64)   # no gate: skipped
+    assert [p["loop"] for p in res["fixed_curve"]] == [1, 2, 3, 4]
+    assert {r["criterion"] for r in res["rules"]} == {"argmax", "entropy"}
+    best = best_rule(res, max_loss=1.0)                                # anything goes: the fewest loops
+    assert best["mean_loops"] == min(r["mean_loops"] for r in res["rules"])
+
+
+def test_eval_command_with_halting(tmp_path, capsys):
+    from loopformer.train.trainer import train
+    cfg = load_run_config(None, [*TINY, "task.answer_only=true", "train.steps=3", f"out_dir={tmp_path / 'r'}"])
+    train(cfg)
+    out_json, png = tmp_path / "e.json", tmp_path / "s.png"
+    assert main(["eval", str(tmp_path / "r"), "--halt", "kl:1e-3", "--halt", "argmax:2", "--halt-sweep", "argmax",
+                 "--plot", str(png), "--json", str(out_json), "--quiet", "-n", "16"]) == 0
+    printed = capsys.readouterr().out
+    assert "adaptive depth" in printed and "| kl:0.001 |" in printed and "threshold sweep" in printed
+    ev = json.loads(out_json.read_text())
+    assert [r["rule"] for r in ev["halting"]["rules"]] == ["kl:0.001", "argmax:2"]
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--halt", "kl"], "CRITERION:THRESHOLD"),
+    (["--halt", "wobble:1"], "unknown criterion"),
+    (["--halt", "kl:x"], "not a number"),
+    (["--halt", "gate:0.5"], "exit gate"),
+    (["--halt-sweep", "kl,wobble"], "unknown halting criterion"),
+    (["--plot", "x.png"], "--halt-sweep"),
+])
+def test_bad_halting_flags_are_one_line_with_status_2(tmp_path, capsys, argv, needle):
+    from loopformer.train.trainer import train
+    run = tmp_path / "r"
+    train(load_run_config(None, [*TINY, "train.steps=1", f"out_dir={run}"]))
+    capsys.readouterr()
+    assert main(["eval", str(run), "--quiet", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("loopformer: error: ") and needle in err[0]
+
+
+def test_runs_record_halting_and_the_report_tables_it(tmp_path):
+    from loopformer.experiments.report import write_report
+    from loopformer.train.trainer import train
+    res = train(load_run_config(None, [*TINY, "task.answer_only=true", "train.steps=2", "eval.halt=[kl:1e-3,argmax:2]",
+                                       f"out_dir={tmp_path / 'r'}"]))
+    assert [q["rule"] for q in res["halting"]["rules"]] == ["kl:0.001", "argmax:2"]
+    assert res["halting"]["fixed"]["metrics"]["accuracy"] == pytest.approx(res["test"]["accuracy"])
+    rep = write_report(tmp_path)
+    table = (tmp_path / "halting.md").read_text()
+    assert "halting.md" in rep["files"] and "| r | kl:0.001 |" in table and "| r | argmax:2 |" in table
+    with pytest.raises(Exception, match="eval.halt"):
+        load_run_config(None, [*TINY, "eval.halt=[kl]"])
+
+
+def test_causal_models_halt_per_token_in_evaluation():
+    cfg = load_run_config(None, [*TINY, "model.loops=4"])
+    assert cfg.model.causal
+    torch.manual_seed(1)
+    model = LoopedTransformer(cfg.model).eval()
+    with torch.no_grad():
+        model.head.proj.weight.mul_(20)
+    data = make_data(cfg.task)
+    res = evaluate_halting(model, data, ["kl:0", "argmax:1"], batch_size=16)
+    never, early = res["rules"]
+    assert never["metrics"] == pytest.approx(res["fixed"]["metrics"], nan_ok=True) and never["mean_loops"] == 4
+    n_supervised = int((np.asarray(data.test["targets"]) != -100).sum())
+    x = torch.as_tensor(np.asarray(data.test["inputs"], dtype=np.int64))
+    y = torch.as_tensor(np.asarray(data.test["targets"], dtype=np.int64))
+    out = model(x, halt="argmax:1", halt_positions=y != -100)
+    assert out.exit_loops.shape == x.shape                           # per token
+    assert early["mean_loops"] == pytest.approx(out.exit_loops[y != -100].float().mean().item())
+    assert n_supervised > len(x)
+
+
+def test_a_rule_with_its_own_max_runs_up_to_it():
+    model, data = _model_and_data()
+    res = evaluate_halting(model, data, ["kl:0,max=6", "kl:0,max=2"], batch_size=64, limit=20)
+    assert [q["mean_loops"] for q in res["rules"]] == [6, 2] and res["loops"] == 4
+    res = evaluate_halting(model, data, ["kl:0,max=6"], loops=3, batch_size=64, limit=20)
+    assert res["rules"][0]["mean_loops"] == 3                         # an explicit loop count bounds every rule
