@@ -48,6 +48,8 @@ class TaskConfig:
     seed: int = 0                     # data seed (independent of the model seed)
     answer_only: bool = False         # causal pair tasks read by a bidirectional model: hide the answer tokens
                                       # from the input and supervise only the answer position
+    augment: bool = False             # training rows under the task's random symmetries (tasks that define them,
+                                      # e.g. Sudoku), drawn from (seed, step, row): resuming stays exact
     block_size: int = 256             # text: tokens per training window
     eval_windows: int = 64            # text: validation windows per evaluation
     points: int = 41                  # icl: in-context examples per prompt (without a curriculum)
@@ -108,6 +110,12 @@ class DataSource:
         """The metrics of `model` (in eval mode, no gradients) on the test split after every loop 1..`loops`
         (`all_loops`), or after the last only (a list of one)."""
         raise NotImplementedError
+
+    def evaluate_votes(self, model: torch.nn.Module, loops: int, copies: int, batch_size: int, limit: int,
+                       device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
+        """Test-time augmentation: the metrics after `loops` loops of the per-cell vote over the test rows and
+        `copies` symmetric copies of each (tasks that define symmetries)."""
+        raise UserError(f"test-time voting needs a token task with symmetries (this is {self.kind} data)")
 
     def describe(self) -> dict[str, Any]:
         """What the checkpoint records under "task"."""
