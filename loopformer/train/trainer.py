@@ -401,7 +401,7 @@ class Trainer:
                 "higher_is_better": final["higher_is_better"], "test": final["metrics"],
                 "loopwise": final["loopwise"], "max_loops": final["max_loops"], "world_size": d.world,
                 "device": str(d.device), "seed": cfg.seed, "supervision_steps": cfg.model.supervision_steps,
-                "total_loops": cfg.model.total_loops,
+                "total_loops": cfg.model.total_loops, "stepwise": final["stepwise"],
                 **({"test_ema": final["ema"]["metrics"], "loopwise_ema": final["ema"]["loopwise"]}
                    if "ema" in final else {}),
             })
