@@ -16,7 +16,7 @@ from loopformer.errors import UserError
 from loopformer.model import LoopedTransformer
 from loopformer.model.config import ModelConfig
 from loopformer.model.io import load
-from loopformer.model.recursion import supervision_steps
+from loopformer.model.recursion import step_exits, supervision_steps
 from loopformer.sources import TaskConfig, TokenData
 from loopformer.tasks.sudoku import (SudokuTask, apply_symmetries, digits_to_ids, draw_symmetries, ids_to_digits,
                                      invert_symmetries, is_valid_solution, vote)
@@ -179,6 +179,7 @@ def test_resume_with_the_whole_recipe_is_exact(tmp_path):
     res = train(cfg("full"))
     assert res["supervision_steps"] == 2 and res["total_loops"] == 4 and res["test_ema"]
     assert [p["step"] for p in res["stepwise"]] == [1, 2, 3] and "voted_accuracy" in res["test"]
+    assert 1 <= res["test"]["halted_steps"] <= 2 and "halted_accuracy" in res["test"]
 
     class Killed(Exception):
         pass
@@ -212,3 +213,9 @@ def test_resume_with_the_whole_recipe_is_exact(tmp_path):
 def test_exit_gate_across_steps_needs_the_target_loss(tmp_path):
     with pytest.raises(UserError, match="exit_loss must be 'target'"):
         load_run_config(None, [*TINY, f"out_dir={tmp_path}", "train.steps=2", "train.exit_loss=distribution"])
+
+
+def test_step_exits_stop_at_the_first_confident_step():
+    logits = torch.tensor([[-3.0, 3.0, -1.0], [1.0, -2.0, -1.0], [0.0, 0.0, -5.0]])   # [N=3 steps, B=3 rows]
+    assert step_exits(logits).tolist() == [1, 0, 2]                                     # never later than N
+    assert step_exits(logits, threshold=0.9).tolist() == [2, 0, 2]

@@ -9,7 +9,8 @@ learning.
 Deep supervision (`ModelConfig.supervision_steps` N of r loops each, `loopformer.model.recursion`): at inference
 N steps are N·r loops, so a model trained that way is evaluated at N·r loops and the curve over steps is the
 loop-wise curve at t = r, 2r, ... ("stepwise"). Test-time augmentation (`votes` copies, tasks with symmetries)
-adds the metrics of the per-cell vote as voted_*.
+adds the metrics of the per-cell vote as voted_*; a model with an exit gate trained across steps adds the metrics
+when every row stops at the step its gate chooses (halted_*, halted_steps: the mean steps run).
 
 Shapes: R loops, N test rows.
 """
@@ -67,6 +68,8 @@ def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] =
     try:
         per_loop = data.evaluate_loops(raw, R, loopwise and R > 1, batch_size, limit, device, autocast, progress)
         voted = data.evaluate_votes(raw, r, votes, batch_size, limit, device, autocast) if votes else {}
+        halted = data.evaluate_halting(raw, cfg.loops, cfg.supervision_steps, 0.5, batch_size, limit, device,
+                                       autocast) if (cfg.exit_gate and cfg.supervision_steps > 1) else {}
     finally:
         raw.train(was_training)
     # per_loop: a list of metric dicts, loop 1..R (only loop R when not loop-wise)
@@ -78,7 +81,8 @@ def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] =
     steps = [{"step": p["loop"] // cfg.loops, **p} for p in curve if p["loop"] % cfg.loops == 0] \
         if cfg.supervision_steps > 1 else []
     return {"loops": r, "max_loops": R, "metric": data.metric, "higher_is_better": data.higher_is_better,
-            "metrics": {**at_r, **{f"voted_{k}": v for k, v in voted.items()}}, "loopwise": curve,
+            "metrics": {**at_r, **{f"voted_{k}": v for k, v in voted.items()},
+                        **{f"halted_{k}": v for k, v in halted.items()}}, "loopwise": curve,
             "stepwise": steps}
 
 

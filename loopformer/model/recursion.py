@@ -12,6 +12,12 @@ across steps (`ModelConfig.step_timestep = "continue"`) or restarting at every s
 modulations each step, the model's `loop_indices` takes t mod r). So evaluation after any number of steps is the
 loop-wise curve of the model taken at multiples of r, and the trainer only needs `supervision_steps` below.
 
+Halting across steps (TRM's halting head): a model with an exit gate (`ModelConfig.exit_gate`,
+`loopformer.model.halting.ExitGate`) trained with N > 1 steps learns, after every step, the halting target "the
+step's answer is already right" (BCE of the row's mean stop logit; the trainer adds it with
+`train.exit_loss_weight`). At inference a row stops after the first step whose stop probability reaches the
+threshold (`step_exits`), and never later than N.
+
 Shapes: B batch, T length, D width, R loops per step, N steps, C classes.
 """
 
@@ -45,4 +51,13 @@ def supervision_steps(net: torch.nn.Module, x: torch.Tensor, steps: int, loops: 
         h = out.hidden.detach() if detach else out.hidden
 
 
-__all__ = ["supervision_steps"]
+def step_exits(stop_logits: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+    """The step each row stops after: the first s with σ(stop_logits[s]) >= threshold, else the last step.
+
+    stop_logits [N,B] (a row's logit after each step) -> [B] int64 step indices 0..N-1."""
+    hold = torch.sigmoid(stop_logits.float()) >= threshold                             # [N,B]
+    hold[-1] = True
+    return hold.float().argmax(0)                                                       # the first True
+
+
+__all__ = ["supervision_steps", "step_exits"]

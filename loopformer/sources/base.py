@@ -117,6 +117,13 @@ class DataSource:
         `copies` symmetric copies of each (tasks that define symmetries)."""
         raise UserError(f"test-time voting needs a token task with symmetries (this is {self.kind} data)")
 
+    def evaluate_halting(self, model: torch.nn.Module, loops: int, steps: int, threshold: float, batch_size: int,
+                         limit: int, device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
+        """Halting across supervision steps: the metrics when every test row stops after the first of `steps` steps
+        of `loops` loops whose exit gate says stop (`loopformer.model.recursion.step_exits`), and the mean number
+        of steps run ("steps")."""
+        raise UserError(f"halting across supervision steps is measured on token tasks (this is {self.kind} data)")
+
     def describe(self) -> dict[str, Any]:
         """What the checkpoint records under "task"."""
         raise NotImplementedError

@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from loopformer.data.dataset import open_dataset, read_manifest
 from loopformer.errors import UserError
+from loopformer.model.halting import row_mean
+from loopformer.model.recursion import step_exits
 from loopformer.sources.base import (DataSource, TaskConfig, check_dir, eval_rows, plain, read_outs,
                                      stream_indices)
 from loopformer.tasks import TASKS, TokenTask, get_task
@@ -148,6 +150,28 @@ class TokenData(DataSource):
             rows.append(batch)
         full = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
         return self.metrics(np.concatenate(preds), full)
+
+    def evaluate_halting(self, model, loops, steps, threshold, batch_size, limit, device, autocast
+                         ) -> dict[str, float]:
+        preds: list[np.ndarray] = []
+        ran: list[np.ndarray] = []
+        rows: list[dict[str, np.ndarray]] = []
+        for batch in self.test_batches(10 ** 9, limit):
+            T = batch["inputs"].shape[1]
+            step = eval_rows(batch_size, loops * steps, T, model.config.out_dim)
+            for i in range(0, len(batch["inputs"]), step):
+                x = torch.as_tensor(np.asarray(batch["inputs"][i:i + step], dtype=np.int64), device=device)
+                with autocast():
+                    out = model(x, loops=loops * steps, return_all=True)
+                at = torch.arange(1, steps + 1, device=device) * loops - 1                # each step's last loop
+                stop = row_mean(out.all_stop_logits[at], x != self.task.pad_id)           # [N,b]
+                exit_ = step_exits(stop, threshold)                                        # [b]
+                logits = out.all_logits[at][exit_, torch.arange(len(x), device=device)]   # [b,T,C]
+                preds.append(logits.argmax(-1).cpu().numpy())
+                ran.append(exit_.cpu().numpy() + 1)
+            rows.append(batch)
+        full = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        return {**self.metrics(np.concatenate(preds), full), "steps": float(np.concatenate(ran).mean())}
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.task.name, "options": plain(self.task.options()), "data_dir": self.cfg.data_dir,
