@@ -734,7 +734,7 @@ class SudokuTask(TokenTask):
 
 # ------------------------------------------------------------------------------------------------------ import
 def import_csv(csv_path: str | os.PathLike, layout: str, n_test: int = 1000, n_train: int | None = None,
-               seed: int = 0, min_difficulty: float | None = None
+               seed: int = 0, min_difficulty: float | None = None, test_csv: str | os.PathLike | None = None
                ) -> tuple[SudokuTask, dict[str, dict[str, np.ndarray]], dict]:
     """A public Sudoku CSV (see `LAYOUTS`) as dataset splits: (task, {"train", "test"} batches, provenance).
 
@@ -742,6 +742,10 @@ def import_csv(csv_path: str | os.PathLike, layout: str, n_test: int = 1000, n_t
     by difficulty, de-duplicated by puzzle, shuffled with `seed`, and split into `n_test` test rows and `n_train`
     (default: all the rest) train rows; each batch keeps the file's line numbers. `loopformer.data.write_splits`
     writes the result as a dataset folder.
+
+    test_csv: the test split is that file instead (same layout, every distinct row, e.g. Sudoku-Extreme's test.csv;
+    `n_test` is then ignored), and all of `csv_path` is left for training; test puzzles also found in the
+    training file are dropped from the training split.
     """
     if min_difficulty is not None and layout in LAYOUTS and LAYOUTS[layout][3] is None:
         raise UserError(f"the {layout} layout has no difficulty column; leave min_difficulty unset")
@@ -754,6 +758,9 @@ def import_csv(csv_path: str | os.PathLike, layout: str, n_test: int = 1000, n_t
     _, first = np.unique(p, axis=0, return_index=True)
     first = np.sort(first)
     order = first[np.random.default_rng(seed).permutation(len(first))]
+    if test_csv is not None:
+        return _import_with_test_file(p, s, r, data["line"], order, test_csv, layout, n_train, min_difficulty,
+                                      csv_path, rows_read)
     if n_test > len(order):
         raise UserError(f"{csv_path}: only {len(order)} distinct puzzles, fewer than the {n_test} test puzzles "
                         f"asked for")
@@ -772,3 +779,25 @@ def import_csv(csv_path: str | os.PathLike, layout: str, n_test: int = 1000, n_t
     provenance = {"source": f"import:{layout}", "source_file": os.path.basename(os.fspath(csv_path)),
                   "min_difficulty": min_difficulty, "rows_read": rows_read, "rows_kept": int(len(p))}
     return SudokuTask(), splits, provenance
+
+
+def _import_with_test_file(p, s, r, lines, order, test_csv, layout, n_train, min_difficulty, csv_path,
+                           rows_read) -> tuple[SudokuTask, dict[str, dict[str, np.ndarray]], dict]:
+    """`import_csv` with the test split read from its own file (see there)."""
+    test = read_sudoku_csv(test_csv, layout, min_difficulty=min_difficulty)
+    _, first = np.unique(test["puzzles"], axis=0, return_index=True)
+    first = np.sort(first)
+    seen = {row.tobytes() for row in test["puzzles"][first]}
+    rest = np.array([i for i in order if p[i].tobytes() not in seen], dtype=np.int64)
+    if n_train is not None:
+        if n_train > len(rest):
+            raise UserError(f"{csv_path}: only {len(rest)} puzzles for training, fewer than the {n_train} asked for")
+        rest = rest[:n_train]
+    train = SudokuTask.from_digits(p[rest], s[rest], r[rest])
+    train["line"] = lines[rest]
+    tst = SudokuTask.from_digits(test["puzzles"][first], test["solutions"][first], test["difficulty"][first])
+    tst["line"] = test["line"][first]
+    provenance = {"source": f"import:{layout}", "source_file": os.path.basename(os.fspath(csv_path)),
+                  "test_file": os.path.basename(os.fspath(test_csv)), "min_difficulty": min_difficulty,
+                  "rows_read": rows_read, "rows_kept": int(len(p))}
+    return SudokuTask(), {"train": train, "test": tst}, provenance
