@@ -51,8 +51,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device, args.n, args.batch_size,
                               loopwise=not args.no_loopwise, progress=not args.quiet, ema=args.ema,
                               votes=args.votes)
-    print(f"checkpoint: {res['checkpoint']} (trained with r = {res['trained_loops']}; evaluated at r = "
-          f"{res['loops']})")
+    per = res["stepwise"][0]["loop"] if res["stepwise"] else 0
+    steps = f"{res['trained_loops'] // per} supervision steps of {per} loops, " if per else ""
+    print(f"checkpoint: {res['checkpoint']}{' (averaged weights)' if args.ema else ''} (trained with {steps}r = "
+          f"{res['trained_loops']}; evaluated at r = {res['loops']})")
     print(format_results(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"], res["stepwise"]))
     if args.json:
         write_json(args.json, res)
