@@ -182,3 +182,17 @@ def test_cli_import_difficulty_and_malformed(tmp_path, capsys):
     assert main(["data", "import", "radcliffe", str(bad), "--out", str(tmp_path / "never")]) == 2
     assert "bad.csv:8:" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "never")
+
+
+def test_cli_import_with_a_test_file(tmp_path):
+    src = os.path.join(FIX, "sudoku_extreme.csv")
+    lines = open(src).read().splitlines()
+    test_file = tmp_path / "test.csv"
+    test_file.write_text("\n".join([lines[0], *lines[1:4]]) + "\n")       # 3 puzzles, also in the training file
+    out = tmp_path / "extreme"
+    assert main(["data", "import", "extreme", src, "--test-csv", str(test_file), "--out", str(out),
+                 "--train", "5"]) == 0
+    _, splits = open_dataset(out, verify=True)
+    test = {bytes(np.asarray(r)) for r in splits["test"]["inputs"]}
+    assert len(test) == 3 and len(splits["train"]["inputs"]) == 5
+    assert not test & {bytes(np.asarray(r)) for r in splits["train"]["inputs"]}   # no test puzzle in training

@@ -96,7 +96,7 @@ def _import(args) -> int:
     _check_out(args.out, args.force)
     t0 = time.perf_counter()
     task, splits, provenance = import_csv(args.csv, args.layout, n_test=args.test, n_train=args.train,
-                                          seed=args.seed, min_difficulty=args.min_difficulty)
+                                          seed=args.seed, min_difficulty=args.min_difficulty, test_csv=args.test_csv)
     manifest = write_splits(args.out, task, splits, args.seed, provenance, overwrite=args.force)
     print(f"wrote {args.out}: sudoku from {args.layout} file {args.csv} ({manifest['rows_read']} rows read"
           + (f", {manifest['rows_kept']} with difficulty >= {args.min_difficulty}"
@@ -143,6 +143,8 @@ def register(subparsers) -> None:
                      help="keep puzzles rated at least this (radcliffe: the paper's hard set uses 3.0)")
     imp.add_argument("--test", type=_count, default=1000, help="test puzzles (default 1000)")
     imp.add_argument("--train", type=_count, default=None, help="train puzzles (default: all the rest)")
+    imp.add_argument("--test-csv", metavar="CSV", default=None,
+                     help="take the test split from this file (all its puzzles; --test is then ignored)")
     imp.add_argument("--seed", type=int, default=0, help="shuffle seed")
     imp.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     imp.set_defaults(func=_import)

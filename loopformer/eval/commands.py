@@ -21,10 +21,11 @@ from loopformer.sources import TaskConfig, make_data
 def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | None = None, device: str = "auto",
                         limit: int = 0, batch_size: int = 256, loopwise: bool = True, progress: bool = True,
                         halt: list[str] | None = None, halt_sweep: list[str] | None = None,
-                        timestep_past: str | None = None) -> dict:
+                        timestep_past: str | None = None, ema: bool = False, votes: int = 0) -> dict:
     """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise); with `halt`
     rules also adaptive depth ("halting"), with `halt_sweep` criteria the sweep ("halting_sweep");
-    `timestep_past` overrides the model's behaviour past its trained loops."""
+    `timestep_past` overrides the model's behaviour past its trained loops; `ema`: the averaged weights; `votes`:
+    test-time augmentation with that many copies per test row."""
     rules = [HaltRule.parse(h) for h in halt or []]
     for c in halt_sweep or []:
         if c not in CRITERIA:
@@ -32,20 +33,21 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     check_eval_args(None, None, batch_size, limit)
     p = resolve_checkpoint(path)
     model_cfg, extra = read_config(p)
-    check_eval_args(loops, max_loops, batch_size, limit, trained=model_cfg.loops)
+    check_eval_args(loops, max_loops, batch_size, limit, trained=model_cfg.total_loops)
     run = extra.get("run") or {}
     if not run.get("task"):
         raise UserError(f"{p} records no task (it was not written by `loopformer train`)")
     task_cfg = from_dict(TaskConfig, run["task"])
     dev = pick_device(device)
-    model = load(p, device=dev, **({"timestep_past": timestep_past} if timestep_past else {}))
+    model = load(p, device=dev, ema=ema, **({"timestep_past": timestep_past} if timestep_past else {}))
     data = make_data(task_cfg)
-    r = loops or model.config.loops
-    cap = max(MAX_LOOPS, 2 * model.config.loops)
+    r = loops or model.config.total_loops
+    cap = max(MAX_LOOPS, 2 * model.config.total_loops)
     res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, cap) if loopwise else 0),
-                   batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=progress)
+                   batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=progress, votes=votes)
     res["checkpoint"] = str(p)
-    res["trained_loops"] = model.config.loops
+    res["weights"] = "ema" if ema else "raw"
+    res["trained_loops"] = model.config.total_loops
     res["timestep_past"] = model.config.timestep_past
     res["causal"] = model.config.causal
     if rules:
@@ -71,10 +73,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError("--plot draws the --halt-sweep; give --halt-sweep CRITERIA")
     res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device, args.n, args.batch_size,
                               loopwise=not args.no_loopwise, progress=not args.quiet, halt=args.halt,
-                              halt_sweep=sweep, timestep_past=args.past_r)
-    print(f"checkpoint: {res['checkpoint']} (trained with r = {res['trained_loops']}; evaluated at r = "
-          f"{res['loops']}; loop index past r: {res['timestep_past']})")
-    print(format_results(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"]))
+                              halt_sweep=sweep, timestep_past=args.past_r, ema=args.ema, votes=args.votes)
+    per = res["stepwise"][0]["loop"] if res["stepwise"] else 0
+    steps = f"{res['trained_loops'] // per} supervision steps of {per} loops, " if per else ""
+    print(f"checkpoint: {res['checkpoint']}{' (averaged weights)' if args.ema else ''} (trained with {steps}r = "
+          f"{res['trained_loops']}; evaluated at r = {res['loops']}; loop index past r: {res['timestep_past']})")
+    print(format_results(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"], res["stepwise"]))
     for key, title in (("halting", "adaptive depth"), ("halting_sweep", "adaptive depth, threshold sweep")):
         if key in res:
             print(f"\n{title} (at most {res[key]['loops']} loops; loops per "
@@ -93,10 +97,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="evaluate a checkpoint, loop by loop",
                               description="Test metrics of a checkpoint and the metric after each loop t = 1..R.")
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder or a run folder")
-    p.add_argument("--loops", type=int, help="loops to run (default: the trained r)")
+    p.add_argument("--loops", type=int, help="loops to run (default: the trained r, times the supervision steps)")
     p.add_argument("--max-loops", type=int, help="loop-wise curve up to this many loops (default: 2 × loops; "
                                                  "at most 1024)")
     p.add_argument("--no-loopwise", action="store_true", help="only the metrics at --loops")
+    p.add_argument("--ema", action="store_true", help="evaluate the averaged weights (trained with train.ema_decay)")
+    p.add_argument("--votes", type=int, default=0, metavar="K",
+                   help="test-time augmentation: also vote over K symmetric copies of every test row (Sudoku)")
     add_rows(p, 0, "only the first N test rows (0: all)")
     p.add_argument("--batch-size", type=int, default=256)
     add_device(p)

@@ -56,6 +56,12 @@ class ModelConfig:
                                       # PE(t) | "clamp" to the last trained t = loops - 1 (a learned table always
                                       # clamps). Changes no weights: choose it at load / evaluation time
     input_injection: bool = False     # add the read-in embedding before every loop after the first
+    # deep supervision (loopformer.model.recursion): `supervision_steps` steps of `loops` loops each, every step
+    # starting from the previous one's (detached) hidden state with its own loss; inference runs them as one pass
+    # of supervision_steps × loops loops
+    supervision_steps: int = 1        # N: steps per sample (1: plain training, the loss after `loops` loops)
+    step_timestep: str = "continue"   # TMLT's loop index across steps: "continue" counting (step s, loop t reads
+                                      # s·loops + t) | "restart" at every step (reads t: one block, N times)
     exit_gate: bool = False           # a learned exit gate: one stop logit per position after every loop
                                       # (loopformer.model.halting.ExitGate); off: no extra weights
     # L2: read-out
@@ -102,6 +108,9 @@ class ModelConfig:
              f"timestep_embed must be 'sinusoid' or 'learned' (got {self.timestep_embed!r})")
         need(math.isfinite(self.timestep_scale) and self.timestep_scale > 0, "timestep_scale must be > 0")
         need(self.timestep_past in _PAST_R, f"timestep_past must be one of {_PAST_R} (got {self.timestep_past!r})")
+        need(self.supervision_steps >= 1, f"supervision_steps must be >= 1 (got {self.supervision_steps})")
+        need(self.step_timestep in ("continue", "restart"),
+             f"step_timestep must be 'continue' or 'restart' (got {self.step_timestep!r})")
         need(self.grad_loops is None or self.grad_loops >= 1, "grad_loops must be >= 1 (or null for all loops)")
         need(self.compat in ("none", "authors"), f"compat must be 'none' or 'authors' (got {self.compat!r})")
         if self.tie_embeddings:
@@ -126,6 +135,11 @@ class ModelConfig:
         if self.n_out is not None:
             return self.n_out
         return self.vocab_size if self.head in ("lm", "sequence") else 1
+
+    @property
+    def total_loops(self) -> int:
+        """Loops of a full inference pass: supervision_steps × loops."""
+        return self.supervision_steps * self.loops
 
     @property
     def variant(self) -> str:

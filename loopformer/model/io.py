@@ -1,6 +1,8 @@
 """Checkpoint folders.
 
     DIR/model.safetensors   weights of the raw module (never a compiled or DDP wrapper)
+    DIR/ema.safetensors     optional: the exponential moving average of those weights (`train.ema_decay`), in the
+                            same layout (`load(DIR, ema=True)` loads it as the model)
     DIR/config.json         the ModelConfig fields at top level (what `PyTorchModelHubMixin` expects, so
                             `LoopedTransformer.from_pretrained(DIR)` and `push_to_hub` work), plus "run" (the
                             resolved run config), "task" and "loopformer_version"
@@ -37,7 +39,7 @@ from loopformer.model.config import ModelConfig
 from loopformer.model.looped import LoopedTransformer
 from loopformer.version import __version__
 
-WEIGHTS, CONFIG, STATE = "model.safetensors", "config.json", "training_state.pt"
+WEIGHTS, CONFIG, STATE, EMA_WEIGHTS = "model.safetensors", "config.json", "training_state.pt", "ema.safetensors"
 RUN_CHECKPOINT = "checkpoint"   # the checkpoint folder's name inside a run folder (`loopformer.train.run`)
 RESERVED_KEYS = ("run", "task", "loopformer_version", "source")   # config.json keys that are not model fields
 
@@ -140,12 +142,15 @@ def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Optional[dict] = None,
-                    task: Optional[dict] = None, training_state: Optional[dict] = None) -> Path:
-    """Write a checkpoint folder atomically; returns its path."""
+                    task: Optional[dict] = None, training_state: Optional[dict] = None,
+                    ema: Optional[torch.nn.Module] = None) -> Path:
+    """Write a checkpoint folder atomically (with `ema`, the averaged weights too); returns its path."""
     dest = Path(path)
     raw = unwrap(model)
     with new_folder(dest) as tmp:
         save_model(raw, str(tmp / WEIGHTS))
+        if ema is not None:
+            save_model(unwrap(ema), str(tmp / EMA_WEIGHTS))
         cfg = to_dict(raw.config)
         cfg.update({"run": run or {}, "task": task or {}, "loopformer_version": __version__})
         (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=False, default=str) + "\n")
@@ -179,22 +184,33 @@ def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     return from_dict(ModelConfig, data), extra
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu", **overrides: Any) -> LoopedTransformer:
+def load(path: str | os.PathLike, device: str | torch.device = "cpu", ema: bool = False,
+         **overrides: Any) -> LoopedTransformer:
     """Load a checkpoint folder strictly and return the model in eval mode, ready for inference.
 
+    ema: load the averaged weights (ema.safetensors) instead of the raw ones.
     `overrides` replace config fields that do not change the weights (e.g. `loops=64`, `dropout=0.0`).
     """
     cfg, _ = read_config(path)
     if overrides:
         cfg = cfg.replace(**overrides)
     model = LoopedTransformer(cfg)
-    load_weights(model, path, device)
+    load_weights(model, path, device, ema=ema)
     return model.to(device).eval()
 
 
-def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | torch.device = "cpu") -> None:
-    """Load `path/model.safetensors` into `model` strictly; a truncated file or a shape mismatch is a UserError."""
-    f = Path(path) / WEIGHTS
+def has_ema(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint folder `path` holds averaged weights."""
+    return (Path(path) / EMA_WEIGHTS).is_file()
+
+
+def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | torch.device = "cpu",
+                 ema: bool = False) -> None:
+    """Load `path/model.safetensors` (`ema`: `path/ema.safetensors`) into `model` strictly; a missing or truncated
+    file or a shape mismatch is a UserError."""
+    f = Path(path) / (EMA_WEIGHTS if ema else WEIGHTS)
+    if ema and not f.is_file():
+        raise UserError(f"{path} holds no averaged weights ({EMA_WEIGHTS}; train with train.ema_decay > 0)")
     if not safetensors_complete(f):
         raise UserError(f"{f} is truncated or corrupt")
     try:

@@ -4,6 +4,8 @@
     looped        a block of n_layers = k layers (usually 1) applied r = loops times, weights shared
     TMLT          the block also receives the loop index t (timestep modulation, Sec. 4.2)
     injection     the read-in embedding e is added to the hidden state before every loop after the first
+    carried state forward(x, state=h) starts the loops from a given hidden state h (+ e with injection) instead of
+                  e: one supervision step of deep supervision (`loopformer.model.recursion`)
 
 Shapes: B batch, T length, D width, R loops, k layers per block, C outputs, V vocabulary.
 The timestep modulations depend on t only, so they are computed once per forward for all R loops.
@@ -105,24 +107,31 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         cache.loops = loops or cfg.loops
         return cache
 
-    def loop_indices(self, loops: int, device: torch.device) -> torch.Tensor:
-        """The loop index t fed to the timestep encoding at loops 0..R-1: t itself, or past the trained loops r
-        (t >= r) with `timestep_past="clamp"` the last trained index r - 1.  [R] int64."""
-        t = torch.arange(loops, device=device)
-        return t.clamp(max=self.config.loops - 1) if self.config.timestep_past == "clamp" else t
+    def loop_indices(self, loops: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+        """The loop index fed to the timestep encoding at loops offset..offset+R-1 (loop t counted from the first
+        loop of the first supervision step): t itself; with `step_timestep="restart"` t mod r, the loop within its
+        supervision step (a step is r = `loops` loops); past the trained loops (t >= r) with
+        `timestep_past="clamp"` the last trained index r - 1.  [R] int64."""
+        cfg = self.config
+        t = torch.arange(offset, offset + loops, device=device)
+        if cfg.step_timestep == "restart":
+            t = t % cfg.loops
+        return t.clamp(max=cfg.loops - 1) if cfg.timestep_past == "clamp" else t
 
-    def modulations(self, loops: int, device: torch.device) -> Optional[torch.Tensor]:
-        """[γ1, γ2, s1, s2] for every loop and layer at once: [R, k, 4, D] (None without timestep encoding)."""
+    def modulations(self, loops: int, device: torch.device, offset: int = 0) -> Optional[torch.Tensor]:
+        """[γ1, γ2, s1, s2] for every loop and layer at once: [R, k, 4, D] (None without timestep encoding);
+        loops offset..offset+R-1 (see `loop_indices`)."""
         if self.timestep is None:
             return None
-        te = F.silu(self.timestep(self.loop_indices(loops, device)))                   # SiLU(TE(t)): [R,D]
+        te = F.silu(self.timestep(self.loop_indices(loops, device, offset)))           # SiLU(TE(t)): [R,D]
         return torch.stack([blk.loop_modulation(te) for blk in self.blocks], dim=1)   # [R,k,4,D]
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *, loops: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
                 positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 return_all: bool = False, halt_tol: Optional[float] = None, halt: Optional[HaltRule | str] = None,
-                halt_positions: Optional[torch.Tensor] = None, per_token: Optional[bool] = None) -> LoopOutput:
+                halt_positions: Optional[torch.Tensor] = None, per_token: Optional[bool] = None,
+                state: Optional[torch.Tensor] = None, loop_offset: int = 0) -> LoopOutput:
         """Run L1, then the block `loops` times, then L2.
 
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
@@ -133,8 +142,13 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         halt: adaptive depth per row, or per token (`per_token`, default for causal models), by a `HaltRule` (or its
         text, e.g. "kl:1e-3"): see `halting_forward`; halt_positions [B,T] bool: the positions a row's criterion
         is taken over (default: every real token).
+        state: [B,T,D] hidden state to start from (a carried state; default: the read-in e), loop_offset: the index
+        of the first loop for the timestep encoding (`loop_indices`). With `state`, `loops=R, loop_offset=o`
+        continues exactly where a call with `o` loops left off (its `hidden`).
         """
         if halt is not None:
+            if state is not None or loop_offset:
+                raise UserError("halting runs from the read-in: state and loop_offset cannot be combined with it")
             return self.halting_forward(x, halt, loops=loops, attn_mask=attn_mask, positions=positions, cache=cache,
                                         halt_positions=halt_positions, per_token=per_token)
         cfg = self.config
@@ -142,13 +156,13 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         past = cache.length if cache is not None else 0
         mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
-        mods = self._loop_modulations(R, x.device, cache)                              # [R,k,4,D] | None
+        mods = self._loop_modulations(R, x.device, cache, loop_offset)                 # [R,k,4,D] | None
         grad = torch.is_grad_enabled()
         grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
         use_ckpt = cfg.checkpoint and grad and cache is None
-        h, states, ran = e, [], R
+        h, states, ran = (e, [], R) if state is None else (state, [], R)
         for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
-            if t > 0 and cfg.input_injection:
+            if (t > 0 or state is not None) and cfg.input_injection:
                 h = h + e
             mods_t = None if mods is None else mods[t]
             with torch.set_grad_enabled(grad and t >= grad_from):
@@ -314,13 +328,14 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             allowed = allowed & attn_mask.bool()[:, None, None, :]
         return allowed | (k == q)[None, None]   # a padded query still sees itself, so no row is empty
 
-    def _loop_modulations(self, loops: int, device: torch.device, cache: Optional[KVCache]) -> Optional[torch.Tensor]:
+    def _loop_modulations(self, loops: int, device: torch.device, cache: Optional[KVCache],
+                          offset: int = 0) -> Optional[torch.Tensor]:
         """`modulations` of this call; in generation (a cache, no gradients) computed once per cache."""
         if cache is not None and not torch.is_grad_enabled():   # generation: same modulations for every token
             if cache.mods is None:
-                cache.mods = self.modulations(loops, device)
+                cache.mods = self.modulations(loops, device, offset)
             return cache.mods
-        return self.modulations(loops, device)
+        return self.modulations(loops, device, offset)
 
     def _block(self, h: torch.Tensor, mods_t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
                cache: Optional[KVCache], t: int) -> torch.Tensor:

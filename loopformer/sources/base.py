@@ -50,6 +50,8 @@ class TaskConfig:
     seed: int = 0                     # data seed (independent of the model seed)
     answer_only: bool = False         # causal pair tasks read by a bidirectional model: hide the answer tokens
                                       # from the input and supervise only the answer position
+    augment: bool = False             # training rows under the task's random symmetries (tasks that define them,
+                                      # e.g. Sudoku), drawn from (seed, step, row): resuming stays exact
     block_size: int = 256             # text: tokens per training window
     eval_windows: int = 64            # text: validation windows per evaluation
     points: int = 41                  # icl: in-context examples per prompt (without a curriculum)
@@ -119,6 +121,19 @@ class DataSource:
         supervised token when `exit_loops` is per token; None without exits). The forwards take turns on every
         batch, so their wall times (measured by the caller) see the same machine state."""
         raise UserError(f"evaluation with adaptive depth supports token tasks, not {self.kind} data")
+
+    def evaluate_votes(self, model: torch.nn.Module, loops: int, copies: int, batch_size: int, limit: int,
+                       device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
+        """Test-time augmentation: the metrics after `loops` loops of the per-cell vote over the test rows and
+        `copies` symmetric copies of each (tasks that define symmetries)."""
+        raise UserError(f"test-time voting needs a token task with symmetries (this is {self.kind} data)")
+
+    def evaluate_halting(self, model: torch.nn.Module, loops: int, steps: int, threshold: float, batch_size: int,
+                         limit: int, device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
+        """Halting across supervision steps: the metrics when every test row stops after the first of `steps` steps
+        of `loops` loops whose exit gate says stop (`loopformer.model.recursion.step_exits`), and the mean number
+        of steps run ("steps")."""
+        raise UserError(f"halting across supervision steps is measured on token tasks (this is {self.kind} data)")
 
     def describe(self) -> dict[str, Any]:
         """What the checkpoint records under "task"."""

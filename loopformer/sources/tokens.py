@@ -2,6 +2,9 @@
 Sec. 5.1.1): fixed-length rows `inputs` / `targets` [N,T] generated in memory from the config or read from a
 prepared data folder (`loopformer.data`), visited in epochs, each a fresh permutation `default_rng([seed, epoch])`.
 Evaluation: argmax predictions [R,N,T] → the task's metrics per loop (headline: exact-match 'accuracy').
+Tasks with symmetries (Sudoku): `augment` draws training rows under random symmetries, a pure function of
+(seed, step, row key), so any process count and a resumed run see the same bytes; `evaluate_votes` predicts
+symmetric copies of every test row, maps them back and votes per position.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from tqdm.auto import tqdm
 
 from loopformer.data.dataset import open_dataset, read_manifest
 from loopformer.errors import UserError
+from loopformer.model.halting import row_mean
+from loopformer.model.recursion import step_exits
 from loopformer.sources.base import (DataSource, TaskConfig, check_dir, eval_rows, plain, read_outs,
                                      stream_indices)
 from loopformer.tasks import IGNORE, TASKS, TokenTask, get_task
@@ -76,6 +81,8 @@ class TokenData(DataSource):
             if "answer_start" not in self.train:
                 raise UserError("task.answer_only needs a task with an answer span (edit_distance, lcs, countdown)")
             self.test = hide_answers(self.test, self.task.pad_id)
+        if cfg.augment and not self.task.augments:
+            raise UserError(f"task.augment: the {self.task.name} task defines no augmentation")
         self.n_train = len(self.train["inputs"])
 
     def plan(self, step: int, batch_size: int) -> np.ndarray:
@@ -88,7 +95,16 @@ class TokenData(DataSource):
         if self.cfg.answer_only:
             rows["answer_start"] = np.asarray(self.train["answer_start"][idx])
             rows = hide_answers(rows, self.task.pad_id)
+        if self.cfg.augment:
+            rows = self.augment_rows(rows, idx, step)
         return {"inputs": torch.from_numpy(rows["inputs"]), "targets": torch.from_numpy(rows["targets"])}
+
+    def augment_rows(self, rows: dict[str, np.ndarray], keys: np.ndarray, step: int) -> dict[str, np.ndarray]:
+        """Each row under its own random symmetry, drawn from (data seed, step, row key) alone."""
+        out = [self.task.augment({k: v[i:i + 1] for k, v in rows.items()},
+                                 np.random.default_rng([self.cfg.seed, int(step), int(key), 0xA6]))
+               for i, key in enumerate(keys)]
+        return {k: np.concatenate([o[k] for o in out]).astype(rows[k].dtype) for k in rows}
 
     def test_batches(self, batch_size: int, limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
         n = len(self.test["inputs"]) if not limit else min(limit, len(self.test["inputs"]))
@@ -137,10 +153,49 @@ class TokenData(DataSource):
         return {k: (self.metrics(np.concatenate(preds[k]), full), np.concatenate(exits[k]) if exits[k] else None)
                 for k in forwards}
 
+    def evaluate_votes(self, model, loops, copies, batch_size, limit, device, autocast) -> dict[str, float]:
+        if not self.task.votes:
+            raise UserError(f"test-time voting: the {self.task.name} task defines no symmetries")
+        preds: list[np.ndarray] = []
+        rows: list[dict[str, np.ndarray]] = []
+        for batch in self.test_batches(max(1, batch_size // (1 + copies)), limit):
+            views, sym = self.task.views(batch["inputs"], copies, seed=len(rows))          # [1+K,b,T]
+            K1, b, T = views.shape
+            x = torch.as_tensor(np.asarray(views.reshape(K1 * b, T), dtype=np.int64), device=device)
+            logits = read_outs(model, x, loops, False, autocast)[0].float()               # [(1+K)·b,T,C]
+            prob, arg = logits.softmax(-1).max(-1)
+            pred = arg.cpu().numpy().reshape(K1, b, T)
+            preds.append(self.task.unview(pred, sym, prob.cpu().numpy().reshape(K1, b, T)))
+            rows.append(batch)
+        full = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        return self.metrics(np.concatenate(preds), full)
+
+    def evaluate_halting(self, model, loops, steps, threshold, batch_size, limit, device, autocast
+                         ) -> dict[str, float]:
+        preds: list[np.ndarray] = []
+        ran: list[np.ndarray] = []
+        rows: list[dict[str, np.ndarray]] = []
+        for batch in self.test_batches(10 ** 9, limit):
+            T = batch["inputs"].shape[1]
+            step = eval_rows(batch_size, loops * steps, T, model.config.out_dim)
+            for i in range(0, len(batch["inputs"]), step):
+                x = torch.as_tensor(np.asarray(batch["inputs"][i:i + step], dtype=np.int64), device=device)
+                with autocast():
+                    out = model(x, loops=loops * steps, return_all=True)
+                at = torch.arange(1, steps + 1, device=device) * loops - 1                # each step's last loop
+                stop = row_mean(out.all_stop_logits[at], x != self.task.pad_id)           # [N,b]
+                exit_ = step_exits(stop, threshold)                                        # [b]
+                logits = out.all_logits[at][exit_, torch.arange(len(x), device=device)]   # [b,T,C]
+                preds.append(logits.argmax(-1).cpu().numpy())
+                ran.append(exit_.cpu().numpy() + 1)
+            rows.append(batch)
+        full = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        return {**self.metrics(np.concatenate(preds), full), "steps": float(np.concatenate(ran).mean())}
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.task.name, "options": plain(self.task.options()), "data_dir": self.cfg.data_dir,
                 "n_train": self.cfg.n_train, "n_test": self.cfg.n_test, "seed": self.cfg.seed,
-                "answer_only": self.cfg.answer_only, "metric": self.metric}
+                "answer_only": self.cfg.answer_only, "augment": self.cfg.augment, "metric": self.metric}
 
 
 __all__ = ["TokenData", "hide_answers"]

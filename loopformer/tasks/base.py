@@ -78,3 +78,27 @@ class TokenTask:
     def decode_row(self, batch: dict[str, np.ndarray], i: int) -> str:
         """A human-readable rendering of sample i."""
         raise NotImplementedError
+
+    # optional: symmetries of the task (training augmentation, test-time voting); see `augments` / `votes`
+    def augment(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """`batch` under random answer-preserving symmetries drawn from `rng` (inputs and targets alike)."""
+        raise NotImplementedError
+
+    def views(self, inputs: np.ndarray, copies: int, seed: int = 0) -> tuple[np.ndarray, Any]:
+        """Test-time augmentation: `inputs` [N,T] and `copies` symmetric copies, [1+copies, N, T] (copy 0 the
+        input), and what `unview` needs to map predictions back."""
+        raise NotImplementedError
+
+    def unview(self, preds: np.ndarray, symmetries: Any, scores: np.ndarray | None = None) -> np.ndarray:
+        """Predictions [1+copies, N, T] on the `views` mapped back and combined into one [N, T] (a vote)."""
+        raise NotImplementedError
+
+    @property
+    def augments(self) -> bool:
+        """Whether the task defines training augmentation (`augment`)."""
+        return type(self).augment is not TokenTask.augment
+
+    @property
+    def votes(self) -> bool:
+        """Whether the task defines test-time augmentation with voting (`views` / `unview`)."""
+        return type(self).views is not TokenTask.views

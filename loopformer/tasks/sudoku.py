@@ -449,16 +449,13 @@ def render(digits, blank: str = ".") -> str:
 
 
 # ------------------------------------------------------------------------------------------------- augmentation
-def augment(puzzles: np.ndarray, solutions: np.ndarray, rng: np.random.Generator):
-    """Random validity-preserving symmetries, one per row: digit relabelling, row shuffles within bands, band
-    shuffles, column shuffles within stacks, stack shuffles and a transposition with probability 1/2.
+def draw_symmetries(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`n` random validity-preserving symmetries of the grid: row shuffles within bands, band shuffles, column
+    shuffles within stacks, stack shuffles, a transposition with probability 1/2, and a digit relabelling.
 
-    puzzles, solutions: digits [N, 81] (0 blank in puzzles). Returns transformed copies (same dtype).
+    Returns (cells [n, 81]: new cell j reads old cell cells[j]; relabel [n, 10]: old digit d becomes relabel[d],
+    relabel[0] = 0 keeps blanks). Apply with `apply_symmetries`, undo with `invert_symmetries`.
     """
-    p = np.asarray(puzzles).reshape(-1, 81)
-    s = np.asarray(solutions).reshape(-1, 81)
-    n = len(p)
-
     def line_maps() -> np.ndarray:          # [n, 9]: new line -> old line
         bands = rng.permuted(np.tile(np.arange(3), (n, 1)), axis=1)
         inner = rng.permuted(np.tile(np.arange(3), (n * 3, 1)), axis=1).reshape(n, 3, 3)
@@ -471,9 +468,51 @@ def augment(puzzles: np.ndarray, solutions: np.ndarray, rng: np.random.Generator
     idx = idx.reshape(n, 81)
     lut = np.zeros((n, 10), dtype=np.int64)
     lut[:, 1:] = rng.permuted(np.tile(np.arange(1, 10), (n, 1)), axis=1)
-    p2 = np.take_along_axis(lut, np.take_along_axis(p.astype(np.int64), idx, axis=1), axis=1)
-    s2 = np.take_along_axis(lut, np.take_along_axis(s.astype(np.int64), idx, axis=1), axis=1)
-    return p2.astype(p.dtype), s2.astype(s.dtype)
+    return idx, lut
+
+
+def apply_symmetries(digits: np.ndarray, cells: np.ndarray, relabel: np.ndarray) -> np.ndarray:
+    """Grids digits [n, 81] (0 blank) under the symmetries (cells, relabel) of `draw_symmetries` (same dtype)."""
+    d = np.asarray(digits).reshape(-1, 81)
+    out = np.take_along_axis(relabel, np.take_along_axis(d.astype(np.int64), cells, axis=1), axis=1)
+    return out.astype(d.dtype)
+
+
+def invert_symmetries(digits: np.ndarray, cells: np.ndarray, relabel: np.ndarray) -> np.ndarray:
+    """The inverse of `apply_symmetries`: grids seen under (cells, relabel) mapped back to the original frame."""
+    d = np.asarray(digits).reshape(-1, 81).astype(np.int64)
+    n = len(d)
+    inv = np.zeros_like(relabel)
+    np.put_along_axis(inv, relabel, np.tile(np.arange(10), (n, 1)), axis=1)     # inv[relabel[d]] = d
+    out = np.empty_like(d)
+    np.put_along_axis(out, cells, np.take_along_axis(inv, d, axis=1), axis=1)   # out[cells[j]] = inv[d[j]]
+    return out.astype(np.asarray(digits).dtype)
+
+
+def augment(puzzles: np.ndarray, solutions: np.ndarray, rng: np.random.Generator):
+    """Random validity-preserving symmetries (`draw_symmetries`), one per row, applied to puzzles and solutions.
+
+    puzzles, solutions: digits [N, 81] (0 blank in puzzles). Returns transformed copies (same dtype).
+    """
+    p = np.asarray(puzzles).reshape(-1, 81)
+    s = np.asarray(solutions).reshape(-1, 81)
+    cells, relabel = draw_symmetries(len(p), rng)
+    return apply_symmetries(p, cells, relabel), apply_symmetries(s, cells, relabel)
+
+
+def vote(preds: np.ndarray, scores: Optional[np.ndarray] = None) -> np.ndarray:
+    """Per-cell majority vote over K predictions of the same grids: preds [K, N, 81] digits -> [N, 81].
+
+    Ties go to the digit with the larger summed `scores` [K, N, 81] (e.g. each prediction's probability), then to
+    the first copy's digit (the plain prediction when copy 0 is the identity)."""
+    P = np.asarray(preds).astype(np.int64)
+    onehot = np.zeros(P.shape + (10,), np.float64)
+    np.put_along_axis(onehot, P[..., None], 1.0, axis=-1)
+    tally = onehot.sum(0)                                                        # [N, 81, 10] votes
+    if scores is not None:
+        tally += 1e-3 * (onehot * np.asarray(scores, np.float64)[..., None]).sum(0) / len(P)
+    tally += 1e-6 * onehot[0]                                                    # last resort: copy 0
+    return tally.argmax(-1)
 
 
 # ------------------------------------------------------------------------------------------------------ loaders
@@ -654,6 +693,35 @@ class SudokuTask(TokenTask):
         out["targets"] = digits_to_ids(s).astype(np.asarray(batch["targets"]).dtype)
         return out
 
+    def views(self, inputs: np.ndarray, copies: int, seed: int = 0) -> tuple[np.ndarray, tuple]:
+        """Test-time augmentation: the puzzles `inputs` (ids [N, 81]) and `copies` random symmetric copies of each,
+        [1 + copies, N, 81] ids (copy 0 the puzzle itself), and the symmetries to map predictions back (`unview`).
+        Deterministic in (seed, N)."""
+        x = np.asarray(inputs)
+        n = len(x)
+        rng = np.random.default_rng([seed, n, 0x5D])
+        cells, relabel = draw_symmetries(n * copies, rng)
+        ident = (np.tile(np.arange(81), (n, 1)), np.tile(np.arange(10), (n, 1)))
+        cells = np.concatenate([ident[0], cells])                                  # [(1+K)·N, 81]
+        relabel = np.concatenate([ident[1], relabel])                              # [(1+K)·N, 10]
+        d = np.tile(ids_to_digits(x), (1 + copies, 1))
+        out = digits_to_ids(apply_symmetries(d, cells, relabel)).astype(x.dtype)
+        return out.reshape(1 + copies, n, 81), (cells, relabel)
+
+    def unview(self, preds: np.ndarray, symmetries: tuple, scores: Optional[np.ndarray] = None) -> np.ndarray:
+        """Predictions on the `views` (ids [1+K, N, 81]) mapped back to the puzzles' frame and voted per cell
+        (`vote`; `scores` [1+K, N, 81] break ties): ids [N, 81]."""
+        P = np.asarray(preds)
+        K1, n = P.shape[:2]
+        cells, relabel = symmetries
+        back = invert_symmetries(ids_to_digits(P.reshape(K1 * n, 81)), cells, relabel).reshape(K1, n, 81)
+        sc = None
+        if scores is not None:
+            sc = np.empty((K1 * n, 81), np.float64)
+            np.put_along_axis(sc, cells, np.asarray(scores, np.float64).reshape(K1 * n, 81), axis=1)
+            sc = sc.reshape(K1, n, 81)
+        return digits_to_ids(vote(back, sc)).astype(P.dtype)
+
     def decode_row(self, batch: dict[str, np.ndarray], i: int) -> str:
         p = ids_to_digits(batch["inputs"][i])
         s = ids_to_digits(batch["targets"][i])
@@ -666,7 +734,7 @@ class SudokuTask(TokenTask):
 
 # ------------------------------------------------------------------------------------------------------ import
 def import_csv(csv_path: str | os.PathLike, layout: str, n_test: int = 1000, n_train: int | None = None,
-               seed: int = 0, min_difficulty: float | None = None
+               seed: int = 0, min_difficulty: float | None = None, test_csv: str | os.PathLike | None = None
                ) -> tuple[SudokuTask, dict[str, dict[str, np.ndarray]], dict]:
     """A public Sudoku CSV (see `LAYOUTS`) as dataset splits: (task, {"train", "test"} batches, provenance).
 
@@ -674,6 +742,10 @@ def import_csv(csv_path: str | os.PathLike, layout: str, n_test: int = 1000, n_t
     by difficulty, de-duplicated by puzzle, shuffled with `seed`, and split into `n_test` test rows and `n_train`
     (default: all the rest) train rows; each batch keeps the file's line numbers. `loopformer.data.write_splits`
     writes the result as a dataset folder.
+
+    test_csv: the test split is that file instead (same layout, every distinct row, e.g. Sudoku-Extreme's test.csv;
+    `n_test` is then ignored), and all of `csv_path` is left for training; test puzzles also found in the
+    training file are dropped from the training split.
     """
     if min_difficulty is not None and layout in LAYOUTS and LAYOUTS[layout][3] is None:
         raise UserError(f"the {layout} layout has no difficulty column; leave min_difficulty unset")
@@ -686,6 +758,9 @@ def import_csv(csv_path: str | os.PathLike, layout: str, n_test: int = 1000, n_t
     _, first = np.unique(p, axis=0, return_index=True)
     first = np.sort(first)
     order = first[np.random.default_rng(seed).permutation(len(first))]
+    if test_csv is not None:
+        return _import_with_test_file(p, s, r, data["line"], order, test_csv, layout, n_train, min_difficulty,
+                                      csv_path, rows_read)
     if n_test > len(order):
         raise UserError(f"{csv_path}: only {len(order)} distinct puzzles, fewer than the {n_test} test puzzles "
                         f"asked for")
@@ -704,3 +779,25 @@ def import_csv(csv_path: str | os.PathLike, layout: str, n_test: int = 1000, n_t
     provenance = {"source": f"import:{layout}", "source_file": os.path.basename(os.fspath(csv_path)),
                   "min_difficulty": min_difficulty, "rows_read": rows_read, "rows_kept": int(len(p))}
     return SudokuTask(), splits, provenance
+
+
+def _import_with_test_file(p, s, r, lines, order, test_csv, layout, n_train, min_difficulty, csv_path,
+                           rows_read) -> tuple[SudokuTask, dict[str, dict[str, np.ndarray]], dict]:
+    """`import_csv` with the test split read from its own file (see there)."""
+    test = read_sudoku_csv(test_csv, layout, min_difficulty=min_difficulty)
+    _, first = np.unique(test["puzzles"], axis=0, return_index=True)
+    first = np.sort(first)
+    seen = {row.tobytes() for row in test["puzzles"][first]}
+    rest = np.array([i for i in order if p[i].tobytes() not in seen], dtype=np.int64)
+    if n_train is not None:
+        if n_train > len(rest):
+            raise UserError(f"{csv_path}: only {len(rest)} puzzles for training, fewer than the {n_train} asked for")
+        rest = rest[:n_train]
+    train = SudokuTask.from_digits(p[rest], s[rest], r[rest])
+    train["line"] = lines[rest]
+    tst = SudokuTask.from_digits(test["puzzles"][first], test["solutions"][first], test["difficulty"][first])
+    tst["line"] = test["line"][first]
+    provenance = {"source": f"import:{layout}", "source_file": os.path.basename(os.fspath(csv_path)),
+                  "test_file": os.path.basename(os.fspath(test_csv)), "min_difficulty": min_difficulty,
+                  "rows_read": rows_read, "rows_kept": int(len(p))}
+    return SudokuTask(), {"train": train, "test": tst}, provenance

@@ -69,6 +69,8 @@ class TrainConfig:
                                       # loopformer.model.halting
     exit_loss_weight: float = 1.0     # weight of the exit loss next to the task loss
     exit_entropy_weight: float = 0.01 # "distribution": β, the weight of the exit distribution's entropy bonus
+    ema_decay: float = 0.0            # > 0: keep an exponential moving average of the weights with this decay
+                                      # (e.g. 0.999), evaluated and checkpointed next to the raw weights
 
     def __post_init__(self) -> None:
         _need(self.steps >= 0 and self.epochs >= 0, "train.steps and train.epochs must be >= 0")
@@ -91,6 +93,7 @@ class TrainConfig:
         _need(self.timestep_weight_decay is None or self.timestep_weight_decay >= 0,
               "train.timestep_weight_decay must be >= 0 (or null)")
         _need(self.exit_loss in EXIT_LOSSES, f"train.exit_loss must be one of {EXIT_LOSSES} (got {self.exit_loss!r})")
+        _need(0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1) (got {self.ema_decay})")
         _need(self.exit_loss_weight >= 0 and self.exit_entropy_weight >= 0,
               "train.exit_loss_weight and train.exit_entropy_weight must be >= 0")
 
@@ -103,6 +106,9 @@ class EvalConfig:
     loopwise: bool = True             # record the metric after every loop t = 1..max_loops
     halt: list[str] = field(default_factory=list)   # halting rules (e.g. [kl:1e-3, entropy:0.2]) evaluated at the
                                       # end next to fixed depth: results.json "halting" (token tasks)
+    votes: int = 0                    # test-time augmentation for tasks that define it (Sudoku): predict this many
+                                      # augmented copies besides the puzzle, map them back and vote per cell;
+                                      # reported next to the plain metrics as voted_* (0: off)
 
     def __post_init__(self) -> None:
         _need(self.batch_size >= 1 and self.n >= 0 and 0 <= self.max_loops <= 1024,
@@ -112,6 +118,7 @@ class EvalConfig:
                 HaltRule.parse(rule)
             except UserError as exc:
                 raise ValueError(f"eval.halt: {exc}") from None
+        _need(0 <= self.votes <= 1000, f"eval.votes must be in 0..1000 (got {self.votes})")
 
 
 @dataclass
@@ -145,6 +152,9 @@ class RunConfig:
         _need(self.log.dynamics_every >= 0, f"log.dynamics_every must be >= 0 (got {self.log.dynamics_every})")
         _need(bool(self.out_dir), "out_dir must be set")
         tr, m = self.train, self.model
+        if m.supervision_steps > 1 and m.exit_gate and tr.exit_loss_weight > 0:
+            _need(tr.exit_loss == "target", "with model.supervision_steps > 1 the exit gate learns across steps: "
+                                            "train.exit_loss must be 'target'")
         if tr.loss_loops == "window":
             _need(tr.loss_window <= m.loops, f"train.loss_window={tr.loss_window} exceeds model.loops={m.loops}")
 

@@ -39,10 +39,12 @@ from loopformer.eval.halting import evaluate_halting
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint, unwrap
 from loopformer.model.looped import LoopedTransformer
+from loopformer.model.recursion import supervision_steps
 from loopformer.sources import DataSource, make_data
 from loopformer.tasks import IGNORE
 from loopformer.train import run
 from loopformer.train.config import RunConfig
+from loopformer.train.ema import EMA
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
 from loopformer.train.optim import exit_loss, loops_at, loss_loops, lr_at, make_optimizer, steps_for, summed_loss
 from loopformer.train.run import MetricsLog
@@ -180,6 +182,7 @@ class Trainer:
         named = list(self.model.named_parameters())
         self.gate_params = [p for n, p in named if n.startswith("exit_gate.")]
         self.trunk_params = [p for n, p in named if not n.startswith("exit_gate.")]
+        self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
         self.start, self.state, self.finished = 0, None, False
@@ -189,6 +192,8 @@ class Trainer:
     def _restore(self) -> None:
         """Weights, optimiser, scaler, step and this process's RNG state from the run's checkpoint."""
         load_weights(self.model, self.ckpt_dir, self.d.device)
+        if self.ema is not None:
+            load_weights(self.ema.module, self.ckpt_dir, self.d.device, ema=True)
         state = load_training_state(self.ckpt_dir)
         if state is None:
             raise UserError(f"cannot resume: {self.ckpt_dir} holds no training state")
@@ -265,26 +270,34 @@ class Trainer:
         micro = [_to(m, d.device) for m in fetched]
         global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
         k = 1 if n_read is None else n_read
-        gated = cfg.model.exit_gate and tc.exit_loss_weight > 0                 # the exit gate reads every loop
+        N = cfg.model.supervision_steps                          # deep supervision: N steps, each with its loss
+        gated = cfg.model.exit_gate and tc.exit_loss_weight > 0
+        per_loop_gate = gated and N == 1                         # the exit gate reads every loop (else every step)
         for i, mb in enumerate(micro):
-            sync = i == len(micro) - 1
-            ctx = self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
-            with ctx:
-                with self.autocast():
-                    out = self.net(mb["inputs"], loops=R, return_all=n_read is not None or gated)
-                logits = out.logits if n_read is None else out.all_logits[-n_read:]
-                s, _ = summed_loss(logits, mb["targets"], mb.get("weight"))
-                loss = s * (d.world / (global_count * k))
-                if gated:   # a mean over this micro-batch: DDP averages it over processes
-                    stop = unwrap(self.model).exit_gate(out.all_hidden.detach())      # the gate reads, never steers
-                    loss = loss + tc.exit_loss_weight / len(micro) * exit_loss(
-                        tc, out.all_logits, stop, mb["targets"], mb.get("weight"), cfg.model.causal)
-                if self.scaler is not None:
-                    self.scaler.scale(loss).backward()
-                else:
-                    loss.backward()
+            run_steps = supervision_steps(self.net, mb["inputs"], N, R,
+                                          return_all=n_read is not None or per_loop_gate)
+            for j in range(N):                   # step j starts from step j-1's detached state; one step in memory
+                sync = i == len(micro) - 1 and j == N - 1
+                ctx = self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
+                with ctx:
+                    with self.autocast():
+                        out = next(run_steps)
+                    logits = out.logits if n_read is None else out.all_logits[-n_read:]
+                    s, _ = summed_loss(logits, mb["targets"], mb.get("weight"))
+                    loss = s * (d.world / (global_count * k * N))
+                    if gated:   # a mean over this micro-batch: DDP averages it over processes
+                        gate = unwrap(self.model).exit_gate                # the gate reads, never steers: detached
+                        stops_, reads = ((gate(out.all_hidden.detach()), out.all_logits) if per_loop_gate  # [R,B,T(,C)]
+                                         else (gate(out.hidden.detach())[None], out.logits[None]))  # step's: [1,B,T(,C)]
+                        loss = loss + tc.exit_loss_weight / (len(micro) * N) * exit_loss(
+                            tc, reads, stops_, mb["targets"], mb.get("weight"), cfg.model.causal)
+                    if self.scaler is not None:
+                        self.scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
+                with torch.no_grad():
+                    self.acc_loss += s.detach().to(self.acc_dtype) / (k * N)
             with torch.no_grad():
-                self.acc_loss += s.detach().to(self.acc_dtype) / k
                 if data.classifies:
                     mask = mb["targets"] != IGNORE
                     self.acc_correct += ((out.logits.argmax(-1) == mb["targets"]) & mask).sum().to(self.acc_dtype)
@@ -305,6 +318,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.model)
         self.train_time += time.perf_counter() - t_step
         self.bar.update(1)
 
@@ -354,11 +369,18 @@ class Trainer:
         cfg, res = self.cfg, None
         self.check_finite(step)
         if self.d.main:
-            max_loops = (cfg.eval.max_loops or 2 * cfg.model.loops) if final and cfg.eval.loopwise else 0
-            res = evaluate(self.model, self.data, loops=cfg.model.loops, max_loops=max_loops,
-                           batch_size=cfg.eval.batch_size, limit=cfg.eval.n, loopwise=final and cfg.eval.loopwise,
-                           device=self.d.device, autocast=self.autocast)
-            self.log.write({"split": "test", "step": step, "loops": res["loops"], **res["metrics"]})
+            total = cfg.model.total_loops                        # supervision_steps × loops
+            max_loops = (cfg.eval.max_loops or 2 * total) if final and cfg.eval.loopwise else 0
+            kw = dict(loops=total, max_loops=max_loops, batch_size=cfg.eval.batch_size, limit=cfg.eval.n,
+                      loopwise=final and cfg.eval.loopwise, device=self.d.device, autocast=self.autocast,
+                      votes=cfg.eval.votes)
+            res = evaluate(self.model, self.data, **kw)
+            rec = {"split": "test", "step": step, "loops": res["loops"], **res["metrics"]}
+            if self.ema is not None:
+                res_ema = evaluate(self.ema.module, self.data, **kw)
+                res["ema"] = res_ema
+                rec.update({f"ema_{k}": v for k, v in res_ema["metrics"].items()})
+            self.log.write(rec)
         return broadcast_object(self.d, res)
 
     def checkpoint(self, step: int) -> None:
@@ -371,7 +393,8 @@ class Trainer:
                             training_state={"step": step, "optimizer": self.optimizer.state_dict(),
                                             "scaler": self.scaler.state_dict() if self.scaler else None,
                                             "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
-                                            "train_time": self.train_time, "total_steps": self.total})
+                                            "train_time": self.train_time, "total_steps": self.total},
+                            ema=None if self.ema is None else self.ema.module)
         barrier(self.d)
 
     def finish(self, final: dict) -> dict:
@@ -388,7 +411,10 @@ class Trainer:
                 "batch_size": self.B, "train_time_s": self.train_time, "metric": final["metric"],
                 "higher_is_better": final["higher_is_better"], "test": final["metrics"],
                 "loopwise": final["loopwise"], "max_loops": final["max_loops"], "world_size": d.world,
-                "device": str(d.device), "seed": cfg.seed,
+                "device": str(d.device), "seed": cfg.seed, "supervision_steps": cfg.model.supervision_steps,
+                "total_loops": cfg.model.total_loops, "stepwise": final["stepwise"],
+                **({"test_ema": final["ema"]["metrics"], "loopwise_ema": final["ema"]["loopwise"]}
+                   if "ema" in final else {}),
                 **({"halting": halting} if halting else {}),
             })
         self.log.close()
