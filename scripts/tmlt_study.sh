@@ -11,8 +11,10 @@
 #   bash scripts/tmlt_study.sh ed32 lcs32  # stage 5: r = 32
 #   bash scripts/tmlt_study.sh last        # stage 6: the loss on the last loop only (the paper's), ED-6, r = 16
 #   bash scripts/tmlt_study.sh last-paper  #          ... TMLT with the paper's parametrisation, seed 0
+#   bash scripts/tmlt_study.sh last-lr1    #          ... TMLT with the timestep parameters at the full lr, seed 0
 #   bash scripts/tmlt_study.sh embed       # stage 7: the loop-index features: learned per loop, or PE(50 t), seed 0
 #   bash scripts/tmlt_study.sh lcs16-last ed32-last lcs32-last  # stage 8: the last-loop loss on LCS-8 and at r = 32
+# The last-loop stages cost about half an every-loop stage (8-9 min per r = 16 run on one free core).
 #   bash scripts/tmlt_study.sh collect     # tables and compact results into docs/tmlt-study/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
 set -euo pipefail
@@ -66,6 +68,9 @@ stage() {
     last-paper)
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last model.timestep=true \
         "${PAPER[@]}" --grid seed=0 --out "$STUDY/ed16-last-paper" "${SW[@]}" ;;
+    last-lr1)
+      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last model.timestep=true \
+        train.timestep_lr_mult=1 --grid seed=0 --out "$STUDY/ed16-last-lr1" "${SW[@]}" ;;
     embed)
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 model.timestep=true \
         --grid model.timestep_embed=learned --baseline model.timestep_scale=50 --out "$STUDY/ed16-embed" "${SW[@]}" ;;
