@@ -26,6 +26,12 @@ SW=(--jobs 2 --threads 1 --quiet)
 # the paper's parametrisation: adaLN-Zero gates (0) and one learning rate for all parameters
 PAPER=(model.timestep_gate_init=0 train.timestep_lr_mult=1)
 
+# looped vs TMLT (default recipe), seeds 0-2, same data: pair TASK R OUT [override ...], loop-wise up to 2r
+pair() {
+  "$LF" sweep "configs/cpu/$1.yaml" model.loops="$2" eval.max_loops=$(($2 * 2)) "${@:4}" \
+    --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/$3" "${SW[@]}"
+}
+
 stage() {
   case "$1" in
     screen)
@@ -35,36 +41,28 @@ stage() {
         --grid model.timestep_gate_init=0,1 train.timestep_lr_mult=1,0.1 --baseline model.timestep=false \
         --out "$STUDY/screen-ed16" "${SW[@]}" ;;
     ed16)
-      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 \
-        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/ed16" "${SW[@]}" ;;
+      pair ed 16 ed16 ;;
     lcs16)
-      "$LF" sweep configs/cpu/lcs.yaml model.loops=16 eval.max_loops=32 \
-        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/lcs16" "${SW[@]}" ;;
+      pair lcs 16 lcs16 ;;
     icl)
       "$LF" sweep configs/cpu/icl.yaml \
         --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/icl" "${SW[@]}" ;;
     ed32)
-      "$LF" sweep configs/cpu/ed.yaml model.loops=32 eval.max_loops=64 \
-        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/ed32" "${SW[@]}" ;;
+      pair ed 32 ed32 ;;
     lcs32)
-      "$LF" sweep configs/cpu/lcs.yaml model.loops=32 eval.max_loops=64 \
-        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/lcs32" "${SW[@]}" ;;
+      pair lcs 32 lcs32 ;;
     paper)
       # the paper's parametrisation beside the default, same data and budget (ED-6, r = 16, seeds 0-2)
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 model.timestep=true eval.max_loops=32 "${PAPER[@]}" \
         --grid seed=0,1,2 --out "$STUDY/ed16-paper" "${SW[@]}" ;;
     last)
-      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
-        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/ed16-last" "${SW[@]}" ;;
+      pair ed 16 ed16-last train.loss_loops=last ;;
     lcs16-last)
-      "$LF" sweep configs/cpu/lcs.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
-        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/lcs16-last" "${SW[@]}" ;;
+      pair lcs 16 lcs16-last train.loss_loops=last ;;
     ed32-last)
-      "$LF" sweep configs/cpu/ed.yaml model.loops=32 eval.max_loops=64 train.loss_loops=last \
-        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/ed32-last" "${SW[@]}" ;;
+      pair ed 32 ed32-last train.loss_loops=last ;;
     lcs32-last)
-      "$LF" sweep configs/cpu/lcs.yaml model.loops=32 eval.max_loops=64 train.loss_loops=last \
-        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/lcs32-last" "${SW[@]}" ;;
+      pair lcs 32 lcs32-last train.loss_loops=last ;;
     last-paper)
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last model.timestep=true \
         "${PAPER[@]}" --grid seed=0 --out "$STUDY/ed16-last-paper" "${SW[@]}" ;;
