@@ -14,6 +14,10 @@
 #   bash scripts/tmlt_study.sh last-lr1    #          ... TMLT with the timestep parameters at the full lr, seed 0
 #   bash scripts/tmlt_study.sh embed       # stage 7: the loop-index features: learned per loop, or PE(50 t), seed 0
 #   bash scripts/tmlt_study.sh lcs16-last ed32-last lcs32-last  # stage 8: the last-loop loss on LCS-8 and at r = 32
+#   bash scripts/tmlt_study.sh candidates  # stage 9: the remaining recipe candidates under the last-loop loss, seed 0:
+#                                          #   timestep weight decay, PE(t / r), a loss window, a loop curriculum,
+#                                          #   the paper's schedule (lr 1e-4, linear decay)
+#   bash scripts/tmlt_study.sh ed32-grad lcs32-grad  # stage 10: r = 32 with backpropagation through the last 16 loops
 # The last-loop stages cost about half an every-loop stage (8-9 min per r = 16 run on one free core).
 #   bash scripts/tmlt_study.sh collect     # tables and compact results into docs/tmlt-study/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
@@ -22,7 +26,7 @@ cd "$(dirname "$0")/.."
 STUDY=${STUDY:-sweeps/tmlt}
 LF=${LOOPFORMER:-.venv/bin/loopformer}
 export OMP_NUM_THREADS=1
-SW=(--jobs 2 --threads 1 --quiet)
+SW=(--jobs "${JOBS:-2}" --threads 1 --quiet)
 # the paper's parametrisation: adaLN-Zero gates (0) and one learning rate for all parameters
 PAPER=(model.timestep_gate_init=0 train.timestep_lr_mult=1)
 
@@ -72,6 +76,23 @@ stage() {
     embed)
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 model.timestep=true \
         --grid model.timestep_embed=learned --baseline model.timestep_scale=50 --out "$STUDY/ed16-embed" "${SW[@]}" ;;
+    candidates)
+      # TMLT-only changes (against the seed-0 TMLT of stage `last`) and changes to training (paired with a looped run)
+      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last model.timestep=true \
+        --grid train.timestep_weight_decay=0,0.1 --baseline model.timestep_scale=0.0625 \
+        --out "$STUDY/ed16-cand-ts" "${SW[@]}"
+      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=window train.loss_window=4 \
+        --grid model.timestep=false,true --out "$STUDY/ed16-cand-window" "${SW[@]}"
+      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
+        train.loops_start=4 train.loops_every=300 train.loops_increment=2 \
+        --grid model.timestep=false,true --out "$STUDY/ed16-cand-curriculum" "${SW[@]}"
+      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
+        train.lr=1e-4 train.schedule=linear train.warmup_fraction=0 \
+        --grid model.timestep=false,true --out "$STUDY/ed16-cand-paper-schedule" "${SW[@]}" ;;
+    ed32-grad)
+      pair ed 32 ed32-grad train.loss_loops=last model.grad_loops=16 ;;
+    lcs32-grad)
+      pair lcs 32 lcs32-grad train.loss_loops=last model.grad_loops=16 ;;
     collect)
       for d in "$STUDY"/*/; do
         name=$(basename "$d")
@@ -94,5 +115,5 @@ stage() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,15p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
