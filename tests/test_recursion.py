@@ -165,6 +165,7 @@ def test_voting_maps_predictions_back():
 
 
 TINY = ["task.name=sudoku", "task.options={blanks: 30}", "task.n_train=32", "task.n_test=8", "task.augment=true",
+        "task.position_factors=true",
         "model.d_model=16", "model.n_heads=2", "model.loops=2", "model.supervision_steps=2",
         "model.input_injection=true", "model.timestep=true", "model.exit_gate=true", "model.dropout=0.1",
         "train.batch_size=8", "train.lr=3e-3", "train.log_every=1", "train.ema_decay=0.9", "train.loss_loops=all",

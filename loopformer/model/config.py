@@ -28,6 +28,9 @@ class ModelConfig:
     input_dim: int = 0
     max_len: int = 1024               # learned positions available
     pos: str = "learned"              # "learned" | "none"
+    pos_factors: Optional[list[list[int]]] = None  # set by the task (task.position_factors): per factor, each
+                                      # position's index in it (Sudoku: row, column, box); L1 adds one learned
+                                      # table per factor to the position's embedding
     # TF: the looped block
     d_model: int = 256
     n_heads: int = 4
@@ -95,6 +98,10 @@ class ModelConfig:
         need(self.loops >= 1, f"loops must be >= 1 (got {self.loops})")
         need(self.max_len >= 1, "max_len must be >= 1")
         need(self.pos in ("learned", "none"), f"pos must be 'learned' or 'none' (got {self.pos!r})")
+        for f in self.pos_factors or []:
+            need(len(f) >= self.max_len and min(f) >= 0,
+                 f"pos_factors: every factor needs a non-negative index for each of the max_len={self.max_len} "
+                 f"positions (got {len(f)} entries)")
         need(self.activation in _ACTIVATIONS, f"activation must be one of {_ACTIVATIONS} (got {self.activation!r})")
         need(self.norm in ("rms", "none"), f"norm must be 'rms' or 'none' (got {self.norm!r})")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1) (got {self.dropout})")

@@ -1,6 +1,7 @@
 """L1 and L2 of `L2 ∘ TF^r ∘ L1` (paper Sec. 2.2): token-wise read-in and read-out.
 
-L1: token embedding (or a linear read-in of real vectors, for in-context learning) plus learned positions.
+L1: token embedding (or a linear read-in of real vectors, for in-context learning) plus learned positions, plus
+one learned table per position factor (e.g. a Sudoku cell's row, column and box) when the config has them.
 L2: per-token logits (LM / token classification), pooled sequence classification, or regression.
 Shapes: B batch, T length, D width, V vocabulary, C outputs.
 """
@@ -21,16 +22,23 @@ class Embed(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model) if cfg.vocab_size > 0 else None
         self.read_in = nn.Linear(cfg.input_dim, cfg.d_model) if cfg.input_dim > 0 else None
         self.pos = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.pos == "learned" else None
+        factors = cfg.pos_factors or []
+        self.factors = nn.ModuleList(nn.Embedding(max(f) + 1, cfg.d_model) for f in factors)
+        self.register_buffer("factor_index", torch.tensor([f[:cfg.max_len] for f in factors], dtype=torch.long)
+                             .reshape(len(factors), cfg.max_len), persistent=False)   # [K, max_len]
         self.drop = nn.Dropout(cfg.dropout)
         self.max_len = cfg.max_len
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: [B,T] ids or [B,T,input_dim] reals; positions: [B,T] or None (0..T-1) -> [B,T,D]
         h = self.tok(x) if self.tok is not None else self.read_in(x)
-        if self.pos is not None:
+        if self.pos is not None or len(self.factors):
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
-            h = h + self.pos(positions)
+            if self.pos is not None:
+                h = h + self.pos(positions)
+            for k, table in enumerate(self.factors):               # row, column, box, ...: [B,T,D] each
+                h = h + table(self.factor_index[k][positions])
         return self.drop(h)
 
 

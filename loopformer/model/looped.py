@@ -92,8 +92,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
     # ------------------------------------------------------------------ helpers
     def num_params(self, exclude_positions: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
-        if exclude_positions and self.embed.pos is not None:
-            n -= self.embed.pos.weight.numel()
+        if exclude_positions:
+            n -= sum(p.numel() for name, p in self.embed.named_parameters() if name.startswith(("pos.", "factors.")))
         return n
 
     def new_cache(self, batch_size: int, max_len: Optional[int] = None, loops: Optional[int] = None) -> KVCache:
@@ -291,7 +291,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         if R < 1:
             raise UserError(f"loops must be >= 1 (got {R})")
         past = cache.length if cache is not None else 0
-        if cfg.pos == "learned" and past + x.shape[1] > cfg.max_len:
+        if (cfg.pos == "learned" or cfg.pos_factors) and past + x.shape[1] > cfg.max_len:
             raise UserError(f"sequence length {past + x.shape[1]} exceeds the model's max_len {cfg.max_len}")
         if cache is not None:
             if cache.loops != R:
@@ -304,7 +304,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                    past: int) -> Optional[torch.Tensor]:
         """Learned positions of the new tokens: given, counted from the first real token under left padding, or
         after the cached ones (None: 0..T-1)."""
-        if positions is not None or self.config.pos != "learned":
+        if positions is not None or (self.config.pos != "learned" and not self.config.pos_factors):
             return positions
         T = x.shape[1]
         if attn_mask is not None:   # left padding: the first real token is position 0

@@ -52,6 +52,8 @@ class TaskConfig:
                                       # from the input and supervise only the answer position
     augment: bool = False             # training rows under the task's random symmetries (tasks that define them,
                                       # e.g. Sudoku), drawn from (seed, step, row): resuming stays exact
+    position_factors: bool = False    # tasks on a grid (Sudoku): the model also learns an embedding of each
+                                      # position's row, column and box (model.pos_factors, from the task)
     block_size: int = 256             # text: tokens per training window
     eval_windows: int = 64            # text: validation windows per evaluation
     points: int = 41                  # icl: in-context examples per prompt (without a curriculum)

@@ -60,8 +60,15 @@ class TokenData(DataSource):
     @classmethod
     def model_fields(cls, cfg: TaskConfig) -> dict[str, Any]:
         task = cls.task_from(cfg)
-        return {"vocab_size": task.vocab_size, "input_dim": 0, "max_len": task.seq_len,
-                "causal": bool(task.causal) and not cfg.answer_only, "head": "lm"}
+        fields = {"vocab_size": task.vocab_size, "input_dim": 0, "max_len": task.seq_len,
+                  "causal": bool(task.causal) and not cfg.answer_only, "head": "lm"}
+        if cfg.position_factors:
+            factors = task.position_factors()
+            if factors is None:
+                raise UserError(f"task.position_factors: the {task.name} task has no position factors "
+                                "(Sudoku has: row, column, box)")
+            fields["pos_factors"] = factors
+        return fields
 
     @classmethod
     def epoch_rows(cls, cfg: TaskConfig) -> Optional[int]:

@@ -685,6 +685,13 @@ class SudokuTask(TokenTask):
             if len(pred) else float("nan"),
         }
 
+    def position_factors(self) -> list[list[int]]:
+        """Each cell's row, column and 3×3 box (cells numbered row by row): the three groups whose digits must
+        differ."""
+        cells = np.arange(81)
+        rows, cols = cells // 9, cells % 9
+        return [rows.tolist(), cols.tolist(), ((rows // 3) * 3 + cols // 3).tolist()]
+
     def augment(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
         """The batch under random validity-preserving symmetries (see `augment`); other arrays are copied."""
         p, s = augment(ids_to_digits(batch["inputs"]), ids_to_digits(batch["targets"]), rng)
