@@ -40,8 +40,13 @@ def make_data(cfg: TaskConfig) -> DataSource:
 
 
 def model_fields(cfg: TaskConfig) -> dict[str, Any]:
-    """The ModelConfig fields the task fixes: read-in (vocab_size / input_dim), max_len, causal, read-out."""
-    return source_class(cfg).model_fields(cfg)
+    """The ModelConfig fields the task fixes: read-in (vocab_size / input_dim), max_len, causal, read-out (and the
+    position factors of a grid task, with `task.position_factors`)."""
+    cls = source_class(cfg)
+    if cfg.position_factors and cls is not TokenData:
+        raise UserError(f"task.position_factors: the {cfg.name} task has no position factors (Sudoku has: row, "
+                        "column, box)")
+    return cls.model_fields(cfg)
 
 
 __all__ = ["SOURCES", "DataSource", "TaskConfig", "TokenData", "VectorData", "TextData", "source_class",
