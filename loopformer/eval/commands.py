@@ -21,11 +21,13 @@ from loopformer.sources import TaskConfig, make_data
 def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | None = None, device: str = "auto",
                         limit: int = 0, batch_size: int = 256, loopwise: bool = True, progress: bool = True,
                         halt: list[str] | None = None, halt_sweep: list[str] | None = None,
-                        timestep_past: str | None = None, ema: bool = False, votes: int = 0) -> dict:
+                        timestep_past: str | None = None, ema: bool = False, votes: int = 0,
+                        step_halt: float = 0.5) -> dict:
     """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise); with `halt`
     rules also adaptive depth ("halting"), with `halt_sweep` criteria the sweep ("halting_sweep");
     `timestep_past` overrides the model's behaviour past its trained loops; `ema`: the averaged weights; `votes`:
-    test-time augmentation with that many copies per test row."""
+    test-time augmentation with that many copies per test row; `step_halt`: the stop probability at which halting
+    across supervision steps stops a row."""
     rules = [HaltRule.parse(h) for h in halt or []]
     for c in halt_sweep or []:
         if c not in CRITERIA:
@@ -44,7 +46,8 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     r = loops or model.config.total_loops
     cap = max(MAX_LOOPS, 2 * model.config.total_loops)
     res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, cap) if loopwise else 0),
-                   batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=progress, votes=votes)
+                   batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=progress, votes=votes,
+                   step_halt=step_halt)
     res["checkpoint"] = str(p)
     res["weights"] = "ema" if ema else "raw"
     res["trained_loops"] = model.config.total_loops
@@ -73,7 +76,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError("--plot draws the --halt-sweep; give --halt-sweep CRITERIA")
     res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device, args.n, args.batch_size,
                               loopwise=not args.no_loopwise, progress=not args.quiet, halt=args.halt,
-                              halt_sweep=sweep, timestep_past=args.past_r, ema=args.ema, votes=args.votes)
+                              halt_sweep=sweep, timestep_past=args.past_r, ema=args.ema, votes=args.votes,
+                              step_halt=args.step_halt)
     per = res["stepwise"][0]["loop"] if res["stepwise"] else 0
     steps = f"{res['trained_loops'] // per} supervision steps of {per} loops, " if per else ""
     print(f"checkpoint: {res['checkpoint']}{' (averaged weights)' if args.ema else ''} (trained with {steps}r = "
@@ -104,6 +108,9 @@ def register(subparsers) -> None:
     p.add_argument("--ema", action="store_true", help="evaluate the averaged weights (trained with train.ema_decay)")
     p.add_argument("--votes", type=int, default=0, metavar="K",
                    help="test-time augmentation: also vote over K symmetric copies of every test row (Sudoku)")
+    p.add_argument("--step-halt", type=float, default=0.5, metavar="P",
+                   help="halting across supervision steps (a model with an exit gate and supervision steps): stop a "
+                        "row at the first step whose stop probability reaches P (default 0.5)")
     add_rows(p, 0, "only the first N test rows (0: all)")
     p.add_argument("--batch-size", type=int, default=256)
     add_device(p)

@@ -47,19 +47,23 @@ def check_eval_args(loops: Optional[int] = None, max_loops: Optional[int] = None
 def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] = None, max_loops: Optional[int] = None,
              batch_size: int = 256, limit: int = 0, loopwise: bool = True, device: Optional[torch.device] = None,
              autocast: Callable[[], Any] = contextlib.nullcontext, progress: bool = False,
-             votes: int = 0) -> dict[str, Any]:
+             votes: int = 0, step_halt: float = 0.5) -> dict[str, Any]:
     """Metrics of `model` on `data`'s test split at `loops` (default: the model's supervision_steps × loops), plus
     the loop-wise curve (and, for a model trained with deep supervision, the curve over steps).
 
     Returns {"loops": r, "max_loops": R, "metric": name, "metrics": {...at r}, "loopwise": [{"loop": t, ...}],
     "stepwise": [{"step": s, "loop": s·r, ...}]}. `loops` and `max_loops` are at most MAX_LOOPS; max_loops 0 / None
-    means the default. votes > 0: also the metrics of test-time augmentation with voting (`voted_` prefix).
+    means the default. votes > 0: also the metrics of test-time augmentation with voting (`voted_` prefix). A model
+    with an exit gate and supervision steps is also evaluated halting across steps (`halted_` prefix): each row stops
+    at the first step whose stop probability reaches `step_halt`.
     """
     raw = unwrap(model)
     cfg = raw.config
     check_eval_args(loops or None, max_loops or None, batch_size, limit, trained=cfg.total_loops)
     if votes < 0:
         raise UserError(f"votes must be >= 0 (got {votes})")
+    if not 0 < step_halt <= 1:
+        raise UserError(f"the step-halting threshold must be in (0, 1] (got {step_halt})")
     r = int(loops or cfg.total_loops)
     R = max(r, int(max_loops or 0)) if loopwise else r
     device = device or next(raw.parameters()).device
@@ -68,7 +72,7 @@ def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] =
     try:
         per_loop = data.evaluate_loops(raw, R, loopwise and R > 1, batch_size, limit, device, autocast, progress)
         voted = data.evaluate_votes(raw, r, votes, batch_size, limit, device, autocast) if votes else {}
-        halted = data.evaluate_halting(raw, cfg.loops, cfg.supervision_steps, 0.5, batch_size, limit, device,
+        halted = data.evaluate_halting(raw, cfg.loops, cfg.supervision_steps, step_halt, batch_size, limit, device,
                                        autocast) if (cfg.exit_gate and cfg.supervision_steps > 1) else {}
     finally:
         raw.train(was_training)

@@ -109,6 +109,8 @@ class EvalConfig:
     votes: int = 0                    # test-time augmentation for tasks that define it (Sudoku): predict this many
                                       # augmented copies besides the puzzle, map them back and vote per cell;
                                       # reported next to the plain metrics as voted_* (0: off)
+    step_halt: float = 0.5            # halting across supervision steps (exit gate, supervision_steps > 1): a row
+                                      # stops at the first step whose stop probability reaches this (halted_*)
 
     def __post_init__(self) -> None:
         _need(self.batch_size >= 1 and self.n >= 0 and 0 <= self.max_loops <= 1024,
@@ -119,6 +121,7 @@ class EvalConfig:
             except UserError as exc:
                 raise ValueError(f"eval.halt: {exc}") from None
         _need(0 <= self.votes <= 1000, f"eval.votes must be in 0..1000 (got {self.votes})")
+        _need(0 < self.step_halt <= 1, f"eval.step_halt must be in (0, 1] (got {self.step_halt})")
 
 
 @dataclass

@@ -373,7 +373,7 @@ class Trainer:
             max_loops = (cfg.eval.max_loops or 2 * total) if final and cfg.eval.loopwise else 0
             kw = dict(loops=total, max_loops=max_loops, batch_size=cfg.eval.batch_size, limit=cfg.eval.n,
                       loopwise=final and cfg.eval.loopwise, device=self.d.device, autocast=self.autocast,
-                      votes=cfg.eval.votes)
+                      votes=cfg.eval.votes, step_halt=cfg.eval.step_halt)
             res = evaluate(self.model, self.data, **kw)
             rec = {"split": "test", "step": step, "loops": res["loops"], **res["metrics"]}
             if self.ema is not None:
