@@ -130,6 +130,12 @@ class ModelConfig:
 
     # derived sizes
     @property
+    def indexed_positions(self) -> bool:
+        """Whether the read-in embeds position indices (learned positions or position factors): sequences are then
+        limited to max_len and positions count from the first real token."""
+        return self.pos == "learned" or bool(self.pos_factors)
+
+    @property
     def hd(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 

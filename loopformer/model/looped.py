@@ -160,7 +160,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         grad = torch.is_grad_enabled()
         grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
         use_ckpt = cfg.checkpoint and grad and cache is None
-        h, states, ran = (e, [], R) if state is None else (state, [], R)
+        h, states, ran = (e if state is None else state), [], R
         for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
             if (t > 0 or state is not None) and cfg.input_injection:
                 h = h + e
@@ -291,7 +291,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         if R < 1:
             raise UserError(f"loops must be >= 1 (got {R})")
         past = cache.length if cache is not None else 0
-        if (cfg.pos == "learned" or cfg.pos_factors) and past + x.shape[1] > cfg.max_len:
+        if cfg.indexed_positions and past + x.shape[1] > cfg.max_len:
             raise UserError(f"sequence length {past + x.shape[1]} exceeds the model's max_len {cfg.max_len}")
         if cache is not None:
             if cache.loops != R:
@@ -304,7 +304,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                    past: int) -> Optional[torch.Tensor]:
         """Learned positions of the new tokens: given, counted from the first real token under left padding, or
         after the cached ones (None: 0..T-1)."""
-        if positions is not None or (self.config.pos != "learned" and not self.config.pos_factors):
+        if positions is not None or not self.config.indexed_positions:
             return positions
         T = x.shape[1]
         if attn_mask is not None:   # left padding: the first real token is position 0

@@ -113,6 +113,10 @@ class TokenData(DataSource):
                for i, key in enumerate(keys)]
         return {k: np.concatenate([o[k] for o in out]).astype(rows[k].dtype) for k in rows}
 
+    def test_rows(self, limit: int = 0) -> dict[str, np.ndarray]:
+        """The first `limit` test rows (0: all) as one batch."""
+        return next(self.test_batches(len(self.test["inputs"]), limit))
+
     def test_batches(self, batch_size: int, limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
         n = len(self.test["inputs"]) if not limit else min(limit, len(self.test["inputs"]))
         for i in range(0, n, batch_size):
@@ -144,8 +148,7 @@ class TokenData(DataSource):
     def evaluate_with(self, forwards, batch_size, limit, device, progress):
         preds: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
         exits: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
-        full = {k: np.asarray(v)[:limit or None] for k, v in self.test.items()
-                if np.ndim(v) >= 1 and len(v) == len(self.test["inputs"])}
+        full = self.test_rows(limit)
         n = len(full["inputs"])
         for i in tqdm(range(0, n, batch_size), desc="eval", disable=not progress, leave=False):
             x = torch.as_tensor(np.asarray(full["inputs"][i:i + batch_size], dtype=np.int64), device=device)
@@ -181,22 +184,18 @@ class TokenData(DataSource):
                          ) -> dict[str, float]:
         preds: list[np.ndarray] = []
         ran: list[np.ndarray] = []
-        rows: list[dict[str, np.ndarray]] = []
-        for batch in self.test_batches(10 ** 9, limit):
-            T = batch["inputs"].shape[1]
-            step = eval_rows(batch_size, loops * steps, T, model.config.out_dim)
-            for i in range(0, len(batch["inputs"]), step):
-                x = torch.as_tensor(np.asarray(batch["inputs"][i:i + step], dtype=np.int64), device=device)
-                with autocast():
-                    out = model(x, loops=loops * steps, return_all=True)
-                at = torch.arange(1, steps + 1, device=device) * loops - 1                # each step's last loop
-                stop = row_mean(out.all_stop_logits[at], x != self.task.pad_id)           # [N,b]
-                exit_ = step_exits(stop, threshold)                                        # [b]
-                logits = out.all_logits[at][exit_, torch.arange(len(x), device=device)]   # [b,T,C]
-                preds.append(logits.argmax(-1).cpu().numpy())
-                ran.append(exit_.cpu().numpy() + 1)
-            rows.append(batch)
-        full = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        full = self.test_rows(limit)
+        step = eval_rows(batch_size, loops * steps, full["inputs"].shape[1], model.config.out_dim)
+        for i in range(0, len(full["inputs"]), step):
+            x = torch.as_tensor(np.asarray(full["inputs"][i:i + step], dtype=np.int64), device=device)
+            with autocast():
+                out = model(x, loops=loops * steps, return_all=True)
+            at = torch.arange(1, steps + 1, device=device) * loops - 1                    # each step's last loop
+            stop = row_mean(out.all_stop_logits[at], x != self.task.pad_id)               # [N,b]
+            exit_ = step_exits(stop, threshold)                                            # [b]
+            logits = out.all_logits[at][exit_, torch.arange(len(x), device=device)]       # [b,T,C]
+            preds.append(logits.argmax(-1).cpu().numpy())
+            ran.append(exit_.cpu().numpy() + 1)
         return {**self.metrics(np.concatenate(preds), full), "steps": float(np.concatenate(ran).mean())}
 
     def describe(self) -> dict[str, Any]:
