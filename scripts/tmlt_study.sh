@@ -21,6 +21,7 @@
 #   bash scripts/tmlt_study.sh window      # stage 11: the loss over the last 4 loops, ED-6, r = 16, seeds 1-2 (seed 0:
 #                                          #   the candidates stage)
 #   bash scripts/tmlt_study.sh lcs16-window  # stage 12: the loss window on LCS-8, r = 16, seeds 0-2
+#   bash scripts/tmlt_study.sh ed32-window lcs32-window  # stage 13: the loss window at r = 32 (all loops in the graph)
 # The last-loop stages cost about half an every-loop stage (8-9 min per r = 16 run on one free core).
 #   bash scripts/tmlt_study.sh collect     # tables and compact results into docs/tmlt-study/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
@@ -97,6 +98,10 @@ stage() {
         --grid seed=1,2 model.timestep=false,true --out "$STUDY/ed16-window" "${SW[@]}" ;;
     lcs16-window)
       pair lcs 16 lcs16-window train.loss_loops=window train.loss_window=4 ;;
+    ed32-window)
+      pair ed 32 ed32-window train.loss_loops=window train.loss_window=4 ;;
+    lcs32-window)
+      pair lcs 32 lcs32-window train.loss_loops=window train.loss_window=4 ;;
     ed32-grad)
       pair ed 32 ed32-grad train.loss_loops=last model.grad_loops=16 ;;
     lcs32-grad)
@@ -123,5 +128,5 @@ stage() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
