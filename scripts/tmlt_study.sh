@@ -16,7 +16,7 @@
 #   bash scripts/tmlt_study.sh lcs16-last ed32-last lcs32-last  # stage 8: the last-loop loss on LCS-8 and at r = 32
 #   bash scripts/tmlt_study.sh candidates  # stage 9: the remaining recipe candidates under the last-loop loss, seed 0:
 #                                          #   timestep weight decay, PE(t / r), a loss window, a loop curriculum,
-#                                          #   the paper's schedule (lr 1e-4, linear decay)
+#                                          #   the paper's schedule (lr 1e-4, linear decay; also alone: paper-schedule)
 #   bash scripts/tmlt_study.sh ed32-grad lcs32-grad  # stage 10: r = 32 with backpropagation through the last 16 loops
 #   bash scripts/tmlt_study.sh window      # stage 11: the loss over the last 4 loops, ED-6, r = 16, seeds 1-2 (seed 0:
 #                                          #   the candidates stage)
@@ -90,6 +90,8 @@ stage() {
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
         train.loops_start=4 train.loops_every=300 train.loops_increment=2 \
         --grid model.timestep=false,true --out "$STUDY/ed16-cand-curriculum" "${SW[@]}"
+      stage paper-schedule ;;
+    paper-schedule)
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
         train.lr=1e-4 train.schedule=linear train.warmup_fraction=0 \
         --grid model.timestep=false,true --out "$STUDY/ed16-cand-paper-schedule" "${SW[@]}" ;;
