@@ -18,8 +18,8 @@
 #                                          #   timestep weight decay, PE(t / r), a loss window, a loop curriculum,
 #                                          #   the paper's schedule (lr 1e-4, linear decay; also alone: paper-schedule)
 #   bash scripts/tmlt_study.sh ed32-grad lcs32-grad  # stage 10: r = 32 with backpropagation through the last 16 loops
-#   bash scripts/tmlt_study.sh window      # stage 11: the loss over the last 4 loops, ED-6, r = 16, seeds 1-2 (seed 0:
-#                                          #   the candidates stage)
+#   bash scripts/tmlt_study.sh window      # stage 11: the loss over the last 4 loops, ED-6, r = 16, seeds 0-2 (seed 0
+#                                          #   is also a run of the candidates stage)
 #   bash scripts/tmlt_study.sh lcs16-window  # stage 12: the loss window on LCS-8, r = 16, seeds 0-2
 #   bash scripts/tmlt_study.sh ed32-window lcs32-window  # stage 13: the loss window at r = 32 (all loops in the graph)
 # The last-loop stages cost about half an every-loop stage (8-9 min per r = 16 run on one free core).
@@ -96,8 +96,10 @@ stage() {
         train.lr=1e-4 train.schedule=linear train.warmup_fraction=0 \
         --grid model.timestep=false,true --out "$STUDY/ed16-cand-paper-schedule" "${SW[@]}" ;;
     window)
+      # seed 0 is the candidates stage's window pair (the same command); copy its two run folders into
+      # ed16-window/runs/seed=0_timestep=false|true to skip re-running them
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=window train.loss_window=4 \
-        --grid seed=1,2 model.timestep=false,true --out "$STUDY/ed16-window" "${SW[@]}" ;;
+        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/ed16-window" "${SW[@]}" ;;
     lcs16-window)
       pair lcs 16 lcs16-window train.loss_loops=window train.loss_window=4 ;;
     ed32-window)

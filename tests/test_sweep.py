@@ -129,3 +129,28 @@ def test_configs_table_groups_seeds_by_configuration():
     assert len(md) == 4
     assert "| loops=4 |" in md[2] and "| 3 | 60.0 [50.0–70.0] | 0: 50.0, 1: 70.0, 2: 60.0 | t=8: 60.0 [40.0–90.0] |" in md[2]
     assert "| loops=8 |" in md[3] and "| 1 | 80.0 [80.0–80.0] |" in md[3]
+
+
+def test_paired_table_pairs_looped_and_tmlt_by_seed():
+    from loopformer.experiments.report import paired_table
+
+    def run(name, seed, variant, value, metric="accuracy", higher=True, loops=16, task="lcs"):
+        return {"_dir": f"/s/runs/{name}", "seed": seed, "metric": metric, "higher_is_better": higher,
+                "variant": variant, "loops": loops, "task": {"name": task, "options": {"length": 8}},
+                "test": {metric: value}}
+
+    runs = [run(f"seed={s}_timestep={str(v == 'tmlt').lower()}", s, v, acc)
+            for s, v, acc in [(0, "looped", 0.70), (0, "tmlt", 0.75), (1, "looped", 0.80), (1, "tmlt", 0.78),
+                              (2, "looped", 0.60), (2, "tmlt", 0.66), (3, "looped", 0.5)]]   # seed 3 has no twin
+    runs.append(run("seed=0_timestep=true_lr=1", 0, "tmlt", 0.9))                             # another configuration
+    runs.append(run("baseline_n_layers=4_loops=1", 0, "standard", 0.99))
+    md = paired_table(runs).splitlines()
+    assert len(md) == 3
+    assert md[2] == ("| LCS (8) | default | 16 | 3 | 70.0 [60.0–80.0] | 75.0 [66.0–78.0] | "
+                     "0: +5.0, 1: -2.0, 2: +6.0 | +5.0 | 2 of 3 |")
+    # an error metric: lower is better, so a negative difference is a lead
+    mse = [run("seed=0_timestep=false", 0, "looped", 0.2, "mse", False, 4, "icl"),
+           run("seed=0_timestep=true", 0, "tmlt", 0.1, "mse", False, 4, "icl")]
+    row = paired_table(mse).splitlines()[2]
+    assert "0: -0.1000" in row and row.endswith("| 1 of 1 |")
+    assert paired_table([runs[0], runs[-1]]) is None

@@ -13,6 +13,8 @@ cells with several runs (seeds) show their mean. Files written into the sweep fo
     loops.png       the metric against the loop count r: one line per variant, the standard Transformer as a
                     dashed level (one panel per task)
     loopwise.png    the metric after each loop t = 1..R of every looped run (the trained r marked): extrapolation
+    paired.md       looped vs TMLT runs that differ only in `timestep` (same task, r, other settings and seed):
+                    both medians and the per-seed paired differences (only when some run has its twin)
     halting.md      runs evaluated with halting rules (`eval.halt`): each rule's metric, mean loops, loops saved
                     and wall-time speed-up next to fixed depth (only when some run has them)
 """
@@ -170,6 +172,42 @@ def configs_table(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(runs: list[dict]) -> Optional[str]:
+    """Markdown: looped and TMLT runs paired by seed within one configuration (the folder name without its `seed=`
+    and `timestep=` parts, the task and r): each model's median [min–max] and the paired differences TMLT − looped,
+    with how many seeds the TMLT is at or ahead of its looped twin (higher accuracy, lower error). None when no
+    run has a twin."""
+    groups: dict[tuple[str, str, int], dict[str, dict]] = defaultdict(lambda: {"looped": {}, "tmlt": {}})
+    for r in runs:
+        if r["variant"] not in ("looped", "tmlt"):
+            continue
+        key = "_".join(p for p in config_key(r["_dir"]).split("_") if not p.startswith("timestep=")) or "default"
+        groups[(task_label(r.get("task", {})), key, r["loops"])][r["variant"]][r.get("seed", 0)] = r
+    lines = ["| task | configuration | r | seeds | looped median [min–max] | TMLT median [min–max] | "
+             "TMLT − looped per seed | median difference | TMLT at or ahead |",
+             "|---|---|---:|---:|---|---|---|---:|---:|"]
+    for (label, key, loops), g in sorted(groups.items()):
+        seeds = sorted(set(g["looped"]) & set(g["tmlt"]))
+        if not seeds:
+            continue
+        first = g["looped"][seeds[0]]
+        metric, higher = first["metric"], first.get("higher_is_better", True)
+        sc = _scale(metric)
+        a = [_value(g["looped"][s]) for s in seeds]
+        b = [_value(g["tmlt"][s]) for s in seeds]
+        diff = [sc(y) - sc(x) for x, y in zip(a, b)]
+        ahead = sum((d >= 0) == higher or d == 0 for d in diff)
+        digits = 1 if metric == "accuracy" else 4
+
+        def cell(v):
+            return f"{_fmt(_median(v), metric)} [{_fmt(min(v), metric)}–{_fmt(max(v), metric)}]"
+
+        per = ", ".join(f"{s}: {d:+.{digits}f}" for s, d in zip(seeds, diff))
+        lines.append(f"| {label} | {key} | {loops} | {len(seeds)} | {cell(a)} | {cell(b)} | {per} | "
+                     f"{_median(diff):+.{digits}f} | {ahead} of {len(seeds)} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else None
+
+
 def runs_csv(runs: list[dict]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
@@ -292,6 +330,9 @@ def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = N
     lw = plot_loopwise(runs, dest / "loopwise.png")
     if lw is not None:
         written["loopwise.png"] = lw
+    paired = paired_table(runs)
+    if paired is not None:
+        written["paired.md"] = write_text(dest / "paired.md", paired)
     halting = halting_table(runs)
     if halting is not None:
         written["halting.md"] = write_text(dest / "halting.md", halting)
