@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from loopformer.cli import main
 from loopformer.model import LoopedTransformer
 from loopformer.model.config import ModelConfig
-from loopformer.model.diagnostics import (PARAM_GROUPS, grad_norms, is_timestep_param, loop_dynamics,
-                                          modulation_stats, param_group, summarize_settle)
+from loopformer.model.diagnostics import (PARAM_GROUPS, fixed_modulation, grad_norms, is_timestep_param,
+                                          loop_dynamics, modulation_ablations, modulation_stats, param_group,
+                                          summarize_settle)
 from loopformer.train.config import load_run_config
 from loopformer.train.optim import make_optimizer
 from loopformer.train.run import read_metrics
@@ -55,6 +56,41 @@ def test_modulation_stats_match_modulations():
     for t in range(4):
         assert st["gate_attn"][t] == pytest.approx(float(mods[t, :, 0].abs().mean()), rel=1e-6)
         assert st["alpha_mlp"][t] == pytest.approx(float((1 + mods[t, :, 3]).abs().mean()), rel=1e-6)
+
+
+def test_fixed_modulation_ablations_against_references():
+    model = _model(timestep=True, timestep_gate_init=1.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.eval()
+    x = torch.randint(0, 11, (3, 7))
+    own, own1 = model(x, loops=4).logits, model(x, loops=1).logits
+    ab = modulation_ablations(model, 3)
+    with torch.no_grad():
+        mods = model.modulations(3, torch.device("cpu"))                              # [R,k,4,D]
+    assert torch.allclose(ab["averaged over loops"], mods.mean(0))
+    # without modulation: the looped model with the same shared weights
+    plain = LoopedTransformer(ModelConfig(**{**model.config.__dict__, "timestep": False}))
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and unexpected and all(is_timestep_param(n) for n in unexpected)
+    plain.eval()
+    with fixed_modulation(model, ab["without modulation"]):
+        assert torch.allclose(model(x, loops=4).logits, plain(x, loops=4).logits, atol=1e-6)
+        with pytest.raises(RuntimeError, match="already active"):
+            with fixed_modulation(model, mods[0]):
+                pass
+    # one loop's own modulation for every loop: loop 1's output is unchanged, later loops differ
+    with fixed_modulation(model, mods[0]):
+        assert torch.equal(model(x, loops=1).logits, own1)
+        fixed = model(x, loops=4).logits
+    assert not torch.allclose(fixed, own)
+    assert torch.equal(model(x, loops=4).logits, own)                                # restored on exit
+    assert "modulations" not in vars(model)
+    assert modulation_ablations(_model(), 3) is None
+    with pytest.raises(ValueError, match="timestep"):
+        with fixed_modulation(_model(), mods[0]):
+            pass
 
 
 def _settle_reference(answers: list[list[tuple]]) -> list[int]:
@@ -213,6 +249,10 @@ def test_analyze_dynamics_command(tmp_path, capsys):
     curve = json.loads((tmp_path / "ev.json").read_text())["loopwise"]
     assert per["accuracy"] == pytest.approx([c["accuracy"] for c in curve])   # the task's exact-match per loop
     assert [s for s in rep["training"]["step"]] == [2, 4]
+    ab = rep["ablation"]   # the TMLT at r as trained, with the loops' average modulation, without modulation
+    assert ab["metric"] == "accuracy" and ab["as trained"] == pytest.approx(per["accuracy"][2])
+    assert all(0 <= ab[k] <= 1 for k in ("averaged over loops", "without modulation"))
+    assert "accuracy at r = 3: as trained" in printed
     for f in ("dynamics.md", "dynamics_loops.png", "dynamics_train.png"):
         assert (tmp_path / "d" / f).stat().st_size > 0
     # a checkpoint folder alone: per-loop view only

@@ -9,6 +9,10 @@ Two views of whether the loop is used and whether the timestep modulation is ali
     during training  from the run's "dynamics" records in metrics.jsonl (written every log.dynamics_every steps):
                      the gradient norm per parameter group, the mean gate and update size over steps
 
+    ablation         (TMLT) the metric at the trained r as trained, with every loop reading the trained loops'
+                     average modulation (the loop index removed, the learned scales kept), and without modulation
+                     (the plain looped block with the same weights): whether the loop index is used at all
+
 Writes DIR/dynamics.json, dynamics.md, dynamics_loops.png and (for a run folder with records) dynamics_train.png.
 The measurements themselves are `loopformer.model.diagnostics`.
 """
@@ -26,7 +30,8 @@ from loopformer.configio import from_dict
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import evaluate
 from loopformer.fileio import pick_device, write_figure, write_json, write_text
-from loopformer.model.diagnostics import PARAM_GROUPS, loop_dynamics, modulation_stats, summarize_settle
+from loopformer.model.diagnostics import (PARAM_GROUPS, fixed_modulation, loop_dynamics, modulation_ablations,
+                                          modulation_stats, summarize_settle)
 from loopformer.model.io import CONFIG, load, read_config, resolve_checkpoint
 from loopformer.sources import DataSource, TaskConfig, make_data
 from loopformer.tasks import IGNORE
@@ -96,6 +101,16 @@ def to_markdown(res: dict[str, Any], trained: int) -> str:
     lines.append(f"settle loop over {res['rows']} test rows: mean {res['settle_mean']:.2f}, median "
                  f"{res['settle_median']:.0f}, 90th percentile {res['settle_p90']:.1f} (of {res['loops']} loops)")
     return "\n".join(lines) + "\n"
+
+
+def ablation_markdown(ab: Optional[dict[str, Any]], trained: int) -> str:
+    """One line: the metric at r as trained, with the loops' average modulation, and without modulation."""
+    if not ab:
+        return ""
+    metric = ab["metric"]
+    fmt = (lambda v: f"{100 * v:.1f} %") if metric == "accuracy" else (lambda v: f"{v:.4g}")
+    parts = [f"{k} {fmt(v)}" for k, v in ab.items() if k != "metric"]
+    return f"\n{metric} at r = {trained}: " + ", ".join(parts) + "\n"
 
 
 def plot_loops(res: dict[str, Any], trained: int, path: str | os.PathLike, title: str = "") -> None:
@@ -212,12 +227,20 @@ def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 50
         res["metric"] = ev["metric"]
     report: dict[str, Any] = {"checkpoint": str(p), "trained_loops": trained, "variant": model.config.variant,
                               "per_loop": res}
+    ablations = modulation_ablations(model, trained)
+    if ablations:
+        report["ablation"] = {"metric": ev["metric"], "as trained": float(ev["metrics"][ev["metric"]])}
+        for name, mod in ablations.items():
+            with fixed_modulation(model, mod):
+                m = evaluate(model, data, loops=trained, max_loops=trained, loopwise=False, batch_size=batch_size,
+                             limit=limit, device=dev)
+            report["ablation"][name] = float(m["metrics"][m["metric"]])
     curves = training_curves(read_metrics(run_dir)) if run_dir is not None else {"step": []}
     if curves["step"]:
         report["training"] = curves
     os.makedirs(out, exist_ok=True)
     name = run_dir.name if run_dir is not None else p.name
-    table = to_markdown(res, trained)
+    table = to_markdown(res, trained) + ablation_markdown(report.get("ablation"), trained)
     write_text(Path(out) / "dynamics.md", f"# Dynamics of {name} ({model.config.variant}, trained r = {trained})\n\n"
            + table)
     write_json(Path(out) / "dynamics.json", report)

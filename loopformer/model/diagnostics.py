@@ -8,13 +8,18 @@ Pure measurements on a model (and a batch), used by the trainer's periodic log a
                        read-in embedding), the read-out's loss and accuracy (or squared error), and for every sample
                        the settle loop: the first t after which its answer no longer changes up to the last loop
     grad_norms         the gradient norm of each parameter group (embedding, block, timestep, modulation, head)
+    fixed_modulation   run a TMLT with one modulation for every loop instead of its own per-loop ones (with
+                       `modulation_ablations`: the trained loops' average, which keeps the learned scales and
+                       drops their dependence on t, or the identity γ = 1, α = 1, the plain looped block): whether
+                       the model uses the loop index at all
 
 Shapes: R loops, B batch, T length, D width, C outputs, k layers per block.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -130,3 +135,38 @@ def summarize_settle(settle: list[int], loops: int) -> dict[str, float | list[in
             "settle_median": float(np.median(a)) if a.size else float("nan"),
             "settle_p90": float(np.percentile(a, 90)) if a.size else float("nan"),
             "settle_hist": hist.tolist()}
+
+
+def modulation_ablations(model: torch.nn.Module, loops: int) -> Optional[dict[str, torch.Tensor]]:
+    """One modulation [k,4,D] for every loop (None without timestep encoding):
+
+        "averaged over loops"   the mean of [γ1, γ2, s1, s2](t) over the trained loops t = 0..loops-1
+        "without modulation"    γ = 1, s = 0 (α = 1): each layer is the plain looped layer
+    """
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        mods = model.modulations(loops, dev)                                          # [R,k,4,D] | None
+    if mods is None:
+        return None
+    ident = torch.zeros_like(mods[0])
+    ident[:, :2] = 1.0
+    return {"averaged over loops": mods.mean(0), "without modulation": ident}
+
+
+@contextlib.contextmanager
+def fixed_modulation(model: torch.nn.Module, mod: torch.Tensor) -> Iterator[torch.nn.Module]:
+    """Within the block, every loop (at any offset) reads `mod` [k,4,D] instead of its own modulation; restored on
+    exit. For ablations at inference: the weights are not touched."""
+    if getattr(model, "timestep", None) is None:
+        raise ValueError("fixed_modulation needs a model with timestep encoding")
+    if "modulations" in vars(model):
+        raise RuntimeError("fixed_modulation is already active on this model")
+
+    def constant(loops: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+        return mod.to(device)[None].expand(loops, *mod.shape)                         # [R,k,4,D]
+
+    model.modulations = constant
+    try:
+        yield model
+    finally:
+        del model.modulations
