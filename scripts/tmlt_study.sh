@@ -22,6 +22,7 @@
 #                                          #   is also a run of the candidates stage)
 #   bash scripts/tmlt_study.sh lcs16-window  # stage 12: the loss window on LCS-8, r = 16, seeds 0-2
 #   bash scripts/tmlt_study.sh ed32-window lcs32-window  # stage 13: the loss window at r = 32 (all loops in the graph)
+#   bash scripts/tmlt_study.sh curriculum  # stage 14: the loop curriculum over seeds 0-2 (seed 0 is also a candidates run)
 # The last-loop stages cost about half an every-loop stage (8-9 min per r = 16 run on one free core).
 #   bash scripts/tmlt_study.sh collect     # tables and compact results into docs/tmlt-study/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
@@ -100,6 +101,12 @@ stage() {
       # ed16-window/runs/seed=0_timestep=false|true to skip re-running them
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=window train.loss_window=4 \
         --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/ed16-window" "${SW[@]}" ;;
+    curriculum)
+      # seed 0 is the candidates stage's curriculum pair (the same command); copy its two run folders into
+      # ed16-curriculum/runs/seed=0_timestep=false|true to skip re-running them
+      "$LF" sweep configs/cpu/ed.yaml model.loops=16 eval.max_loops=32 train.loss_loops=last \
+        train.loops_start=4 train.loops_every=300 train.loops_increment=2 \
+        --grid seed=0,1,2 model.timestep=false,true --out "$STUDY/ed16-curriculum" "${SW[@]}" ;;
     lcs16-window)
       pair lcs 16 lcs16-window train.loss_loops=window train.loss_window=4 ;;
     ed32-window)
@@ -132,5 +139,5 @@ stage() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
