@@ -24,6 +24,7 @@
 #   bash scripts/tmlt_study.sh ed32-window lcs32-window  # stage 13: the loss window at r = 32 (all loops in the graph)
 #   bash scripts/tmlt_study.sh curriculum  # stage 14: the loop curriculum over seeds 0-2 (seed 0 is also a candidates run)
 # The last-loop stages cost about half an every-loop stage (8-9 min per r = 16 run on one free core).
+#   bash scripts/tmlt_study.sh ablations   # the TMLTs with the loop index removed / without modulation (docs/tmlt-study.md 9)
 #   bash scripts/tmlt_study.sh collect     # tables and compact results into docs/tmlt-study/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
 set -euo pipefail
@@ -117,6 +118,19 @@ stage() {
       pair ed 32 ed32-grad train.loss_loops=last model.grad_loops=16 ;;
     lcs32-grad)
       pair lcs 32 lcs32-grad train.loss_loops=last model.grad_loops=16 ;;
+    ablations)
+      # each 3-seed cell's TMLTs at r on the whole test set: as trained, with the loops' average modulation, without
+      # modulation (`analyze dynamics`); the dynamics.md of each into docs/tmlt-study/ablations/STAGE/RUN.md
+      tmp=$(mktemp -d)
+      for d in ed16 ed16-last lcs16-last ed16-window lcs16-window ed32-last ed32-window ed16-curriculum; do
+        for run in "$STUDY/$d"/runs/*timestep=true/; do
+          dest="docs/tmlt-study/ablations/$d/$(basename "$run").md"
+          [ -d "$run/checkpoint" ] && [ ! -f "$dest" ] || continue
+          "$LF" analyze dynamics "$run" -n 2000 --out "$tmp/$d-$(basename "$run")" >/dev/null
+          mkdir -p "$(dirname "$dest")" && cp "$tmp/$d-$(basename "$run")/dynamics.md" "$dest"
+        done
+      done
+      rm -rf "$tmp" ;;
     collect)
       for d in "$STUDY"/*/; do
         name=$(basename "$d")
@@ -139,5 +153,5 @@ stage() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
