@@ -125,7 +125,7 @@ stage() {
       for d in ed16 ed16-last lcs16-last ed16-window lcs16-window ed32-last ed32-window ed16-curriculum; do
         for run in "$STUDY/$d"/runs/*timestep=true/; do
           dest="docs/tmlt-study/ablations/$d/$(basename "$run").md"
-          [ -d "$run/checkpoint" ] && [ ! -f "$dest" ] || continue
+          [ -f "$run/results.json" ] && [ ! -f "$dest" ] || continue   # finished runs only
           "$LF" analyze dynamics "$run" -n 2000 --out "$tmp/$d-$(basename "$run")" >/dev/null
           mkdir -p "$(dirname "$dest")" && cp "$tmp/$d-$(basename "$run")/dynamics.md" "$dest"
         done
