@@ -24,7 +24,7 @@
 #   bash scripts/tmlt_study.sh ed32-window lcs32-window  # stage 13: the loss window at r = 32 (all loops in the graph)
 #   bash scripts/tmlt_study.sh curriculum  # stage 14: the loop curriculum over seeds 0-2 (seed 0 is also a candidates run)
 # The last-loop stages cost about half an every-loop stage (8-9 min per r = 16 run on one free core).
-#   bash scripts/tmlt_study.sh ablations   # the TMLTs with the loop index removed / without modulation (docs/tmlt-study.md 9)
+#   bash scripts/tmlt_study.sh ablations   # the TMLTs with the loop index removed / without modulation (docs/tmlt-study.md 8)
 #   bash scripts/tmlt_study.sh collect     # tables and compact results into docs/tmlt-study/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
 set -euo pipefail
