@@ -147,6 +147,11 @@ def _median(vals: list[float]) -> float:
     return float("nan") if not n else (v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2]))
 
 
+def _median_range(vals: list[float], metric: str) -> str:
+    """"median [min–max]" of `vals` in the metric's display units."""
+    return f"{_fmt(_median(vals), metric)} [{_fmt(min(vals), metric)}–{_fmt(max(vals), metric)}]"
+
+
 def configs_table(runs: list[dict]) -> str:
     """Markdown: one row per (task, configuration), median [min–max] over its seeds at the trained r and at the
     last loop of the loop-wise curve (each seed's values listed)."""
@@ -163,10 +168,9 @@ def configs_table(runs: list[dict]) -> str:
         vals = [_value(r) for r in rs]
         last = [float(r["loopwise"][-1][metric]) for r in rs if r.get("loopwise")]
         last_t = rs[0]["loopwise"][-1]["loop"] if rs[0].get("loopwise") else None
-        rng = f"{_fmt(_median(vals), metric)} [{_fmt(min(vals), metric)}–{_fmt(max(vals), metric)}]"
+        rng = _median_range(vals, metric)
         per = ", ".join(f"{r.get('seed', '?')}: {_fmt(v, metric)}" for r, v in zip(rs, vals))
-        lrng = (f"t={last_t}: {_fmt(_median(last), metric)} [{_fmt(min(last), metric)}–{_fmt(max(last), metric)}]"
-                if last else "")
+        lrng = f"t={last_t}: {_median_range(last, metric)}" if last else ""
         lines.append(f"| {label} | {key} | {rs[0]['variant']} | {rs[0]['loops']} | {rs[0].get('params', '')} | "
                      f"{len(rs)} | {rng} | {per} | {lrng} |")
     return "\n".join(lines) + "\n"
@@ -198,12 +202,9 @@ def paired_table(runs: list[dict]) -> Optional[str]:
         diff = [sc(y) - sc(x) for x, y in zip(a, b)]
         ahead = sum((d >= 0) == higher or d == 0 for d in diff)
         digits = 1 if metric == "accuracy" else 4
-
-        def cell(v):
-            return f"{_fmt(_median(v), metric)} [{_fmt(min(v), metric)}–{_fmt(max(v), metric)}]"
-
         per = ", ".join(f"{s}: {d:+.{digits}f}" for s, d in zip(seeds, diff))
-        lines.append(f"| {label} | {key} | {loops} | {len(seeds)} | {cell(a)} | {cell(b)} | {per} | "
+        lines.append(f"| {label} | {key} | {loops} | {len(seeds)} | {_median_range(a, metric)} | "
+                     f"{_median_range(b, metric)} | {per} | "
                      f"{_median(diff):+.{digits}f} | {ahead} of {len(seeds)} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else None
 
