@@ -35,7 +35,7 @@ from loopformer.fileio import write_figure, write_text
 
 VARIANT_TITLES = {"standard": "Standard", "looped": "Looped", "tmlt": "w/ Timestep"}
 _TASK_TITLES = {"lcs": "LCS", "edit_distance": "ED", "sudoku": "Sudoku", "countdown": "Countdown", "icl": "ICL",
-                "text": "LM"}
+                "text": "LM", "word_problem": "Word problem", "pointer_chase": "Pointer chase", "schedule": "Circuit"}
 
 
 def find_runs(folder: str | os.PathLike) -> list[dict]:
@@ -64,6 +64,9 @@ def task_label(task: dict) -> str:
         return f"{title} ({opts['length']})"
     if name == "icl":
         return f"{title} ({opts.get('function_class', '')})"
+    knob = {"word_problem": ("length", "n"), "pointer_chase": ("hops", "k"), "schedule": ("layers", "K")}.get(name)
+    if knob and knob[0] in opts:
+        return f"{title} ({knob[1]}={opts[knob[0]]})"
     return title
 
 

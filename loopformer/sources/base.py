@@ -12,10 +12,12 @@ A data source is one kind of task (token task, vector task, text corpus) seen by
     evaluate_loops(...) the metrics after every loop (or after the last) on the test split
     evaluate_with(...)  the metrics of one or more forward functions (e.g. fixed depth and adaptive depth), run
                         side by side on every test batch, with the loops each forward's rows used
+    references()        reference predictors' metrics on the test split (e.g. least squares for regression)
     describe()          what checkpoints and results record under "task"
 
 Batches are dicts: inputs [B,T] (ids) or [B,T,Din] (reals); targets [B,T] (ids, IGNORE outside the loss) or [B,T]
-reals with `weight` [B,T] marking the supervised positions.
+reals with `weight` [B,T] marking the supervised positions; with `task.loop_targets` also step_targets [B,K,T], the
+targets after each of the task's K sequential steps.
 Shapes: B batch, T length, R loops, C classes.
 """
 
@@ -54,6 +56,10 @@ class TaskConfig:
                                       # e.g. Sudoku), drawn from (seed, step, row): resuming stays exact
     position_factors: bool = False    # tasks on a grid (Sudoku): the model also learns an embedding of each
                                       # position's row, column and box (model.pos_factors, from the task)
+    loop_targets: bool = False        # tasks with intermediate states (word_problem, pointer_chase, schedule):
+                                      # loop t of the loss is supervised with the state after step j(t) instead of
+                                      # the answer (loopformer.tasks.common.loop_steps; needs train.loss_loops all
+                                      # or window)
     block_size: int = 256             # text: tokens per training window
     eval_windows: int = 64            # text: validation windows per evaluation
     points: int = 41                  # icl: in-context examples per prompt (without a curriculum)
@@ -136,6 +142,11 @@ class DataSource:
         of `loops` loops whose exit gate says stop (`loopformer.model.recursion.step_exits`), and the mean number
         of steps run ("steps")."""
         raise UserError(f"halting across supervision steps is measured on token tasks (this is {self.kind} data)")
+
+    def references(self) -> dict[str, dict[str, float]]:
+        """Reference predictors scored on the test split like the model ({name: metrics}; none by default):
+        results.json records them next to the model's metrics."""
+        return {}
 
     def describe(self) -> dict[str, Any]:
         """What the checkpoint records under "task"."""

@@ -88,6 +88,9 @@ class TokenData(DataSource):
             if "answer_start" not in self.train:
                 raise UserError("task.answer_only needs a task with an answer span (edit_distance, lcs, countdown)")
             self.test = hide_answers(self.test, self.task.pad_id)
+        if cfg.loop_targets and "step_targets" not in self.train:
+            raise UserError(f"task.loop_targets: the {self.task.name} task has no intermediate states "
+                            "(step_targets; e.g. word_problem, pointer_chase, schedule)")
         if cfg.augment and not self.task.augments:
             raise UserError(f"task.augment: the {self.task.name} task defines no augmentation")
         self.n_train = len(self.train["inputs"])
@@ -104,7 +107,10 @@ class TokenData(DataSource):
             rows = hide_answers(rows, self.task.pad_id)
         if self.cfg.augment:
             rows = self.augment_rows(rows, idx, step)
-        return {"inputs": torch.from_numpy(rows["inputs"]), "targets": torch.from_numpy(rows["targets"])}
+        out = {"inputs": torch.from_numpy(rows["inputs"]), "targets": torch.from_numpy(rows["targets"])}
+        if self.cfg.loop_targets:
+            out["step_targets"] = torch.from_numpy(np.asarray(self.train["step_targets"][idx], dtype=np.int64))
+        return out
 
     def augment_rows(self, rows: dict[str, np.ndarray], keys: np.ndarray, step: int) -> dict[str, np.ndarray]:
         """Each row under its own random symmetry, drawn from (data seed, step, row key) alone."""
@@ -201,7 +207,8 @@ class TokenData(DataSource):
     def describe(self) -> dict[str, Any]:
         return {"name": self.task.name, "options": plain(self.task.options()), "data_dir": self.cfg.data_dir,
                 "n_train": self.cfg.n_train, "n_test": self.cfg.n_test, "seed": self.cfg.seed,
-                "answer_only": self.cfg.answer_only, "augment": self.cfg.augment, "metric": self.metric}
+                "answer_only": self.cfg.answer_only, "augment": self.cfg.augment, "loop_targets": self.cfg.loop_targets,
+                "metric": self.metric}
 
 
 __all__ = ["TokenData", "hide_answers"]

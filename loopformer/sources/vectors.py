@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
 from loopformer.sources.base import DataSource, TaskConfig, plain, read_outs
-from loopformer.tasks.icl import Curriculum, ICLTask, interleave
+from loopformer.tasks.icl import Curriculum, ICLTask, baseline_curves, interleave
 
 
 def icl_task(cfg: TaskConfig) -> ICLTask:
@@ -122,6 +122,16 @@ class VectorData(DataSource):
         scale = self.error_scale
         return [{"mse": sq[t] / max(count, 1.0) / scale, "mse_last": last[t] / max(rows, 1) / scale}
                 for t in range(n_loops)]
+
+    def references(self) -> dict[str, dict[str, float]]:
+        """The reference predictors on the same test prompts, scored like the model ("mse", "mse_last"): predicting
+        0, least squares, 3-nearest neighbours, and for decision trees a fitted tree (`loopformer.tasks.icl`)."""
+        rng = np.random.default_rng([self.cfg.seed, 1])          # the test split's draw (see __init__)
+        s = self.task.sample(self.cfg.n_test, rng, self.curriculum.dims_end, self.curriculum.points_end)
+        names = ["zero", "least_squares", "knn"] + (["decision_tree"] if self.task.function_class == "decision_tree"
+                                                     else [])
+        curves = baseline_curves(s["xs"], s["ys"], self.curriculum.dims_end, names)
+        return {k: {"mse": float(c.mean()), "mse_last": float(c[-1])} for k, c in curves.items()}
 
     def describe(self) -> dict[str, Any]:
         return {"name": "icl", "options": plain(self.task.options()), "curriculum": asdict(self.curriculum),

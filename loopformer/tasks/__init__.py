@@ -13,6 +13,13 @@ Token tasks follow the contract in `loopformer.tasks.base` and are built by name
     sudoku         81 cells -> 81 solution digits       (non-causal; unique-solution puzzles, public CSV loaders)
     countdown      n1 n2 n3 n4 target a op b = c ×3 .   (causal; held-out targets for the test split)
 
+Tasks that need depth (the answer takes a number of sequential steps set by one option, and every sample carries
+the state after every step, `step_targets` [N, K, T], for per-loop targets: `task.loop_targets`):
+
+    word_problem   g1 … gn -> prefix products           (non-causal; S5 / A5 / Zk; knob: length)
+    pointer_chase  f(0) … f(m-1) s ? -> f^k(s)          (non-causal; knob: hops)
+    schedule       x1 … xn -> a fixed hidden circuit's output after K layers   (non-causal; knob: layers)
+
 In-context learning (real-valued prompts sampled on the fly) lives in `loopformer.tasks.icl`.
 
 A new token task is a module here holding a dataclass subclass of `TokenTask` (its init fields are its options)
@@ -30,13 +37,19 @@ from loopformer.tasks.base import IGNORE, TokenTask, Vocab
 from loopformer.tasks.countdown import CountdownTask
 from loopformer.tasks.edit_distance import EditDistanceTask
 from loopformer.tasks.lcs import LCSTask
+from loopformer.tasks.pointer_chase import PointerChaseTask
+from loopformer.tasks.schedule import ScheduleTask
 from loopformer.tasks.sudoku import SudokuTask
+from loopformer.tasks.word_problem import WordProblemTask
 
 TASKS: dict[str, type[TokenTask]] = {
     "edit_distance": EditDistanceTask,
     "lcs": LCSTask,
     "sudoku": SudokuTask,
     "countdown": CountdownTask,
+    "word_problem": WordProblemTask,
+    "pointer_chase": PointerChaseTask,
+    "schedule": ScheduleTask,
 }
 
 
@@ -64,4 +77,5 @@ def get_task(name: str, **options: Any) -> TokenTask:
 
 
 __all__ = ["TASKS", "get_task", "task_options", "TokenTask", "Vocab", "IGNORE", "EditDistanceTask", "LCSTask",
-           "SudokuTask", "CountdownTask"]
+           "SudokuTask", "CountdownTask",
+           "WordProblemTask", "PointerChaseTask", "ScheduleTask"]

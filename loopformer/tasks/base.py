@@ -57,6 +57,8 @@ class TokenTask:
     vocab: Vocab
     seq_len: int          # T: length of every `inputs` row
     pad_id: int = 0
+    steps: int = 0        # K > 0: `generate` also returns `step_targets` [N, K, T], the targets after each of the K
+                          # sequential steps of the answer (the last one equals `targets`), for per-loop targets
 
     @property
     def vocab_size(self) -> int:

@@ -53,6 +53,12 @@ def check_range(name: str, value: Any, lo: float | None = None, hi: float | None
         raise UserError(f"option {name} must be <= {hi}, got {value}")
 
 
+def check_bool(name: str, value: Any) -> None:
+    """Raise a one-line UserError unless `value` is a bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise UserError(f"option {name} must be true or false, got {value!r}")
+
+
 def dataclass_options(obj) -> dict[str, Any]:
     """The init fields of a task dataclass as a plain dict (what manifests record)."""
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
@@ -97,3 +103,65 @@ def answer_region(generated: np.ndarray, answer_start: np.ndarray, width: int) -
     rows = np.broadcast_to(np.arange(n)[:, None], idx.shape)
     out[ok] = generated[rows[ok], idx[ok]]
     return out
+
+
+# ------------------------------------------------------------------------------------ splits disjoint by content
+# Tasks whose inputs are few enough to repeat across splits (short rows over small alphabets) assign every possible
+# input row to one split by a hash of its tokens: a row belongs to the test split when its bucket is 0, to the
+# validation split when it is 1, to the training split otherwise (14 of 16 buckets). Splits are then disjoint by
+# construction, however many rows are drawn and however a dataset is cut into chunks.
+HASH_BUCKETS = 16
+_SPLIT_BUCKETS = {0: range(2, HASH_BUCKETS), 1: range(0, 1), 2: range(1, 2)}   # split id -> buckets
+_HASH_MULT = np.random.default_rng(0x5EED).integers(1, 2 ** 63, size=4096, dtype=np.uint64) | np.uint64(1)
+
+
+def row_buckets(rows: np.ndarray) -> np.ndarray:
+    """[N] int: the hash bucket (0..15) of every row of token ids [N, T] (T <= 4096): a polynomial hash with fixed
+    odd multipliers, finished with splitmix64's mixer (wrap-around uint64 arithmetic)."""
+    rows = np.asarray(rows)
+    if rows.shape[1] > len(_HASH_MULT):
+        raise ValueError(f"rows of length {rows.shape[1]} exceed the hash's {len(_HASH_MULT)} multipliers")
+    with np.errstate(over="ignore"):
+        h = (rows.astype(np.uint64) * _HASH_MULT[:rows.shape[1]]).sum(axis=1, dtype=np.uint64)
+        h ^= h >> np.uint64(30)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(27)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+    return (h % np.uint64(HASH_BUCKETS)).astype(np.int64)
+
+
+def in_split(rows: np.ndarray, split: str) -> np.ndarray:
+    """[N] bool: whether each row of token ids belongs to `split` (see `row_buckets`)."""
+    buckets = _SPLIT_BUCKETS[split_id(split)]
+    b = row_buckets(rows)
+    return (b >= buckets.start) & (b < buckets.stop)
+
+
+def draw_in_split(draw, n: int, rng: np.random.Generator, split: str) -> dict[str, np.ndarray]:
+    """`n` samples of `split` by rejection: `draw(rng, m)` returns m samples as a dict of arrays with a leading
+    sample axis (one of them "inputs"); the rows whose inputs hash into another split are dropped. Deterministic
+    in the state of `rng`."""
+    n = int(n)
+    share = len(_SPLIT_BUCKETS[split_id(split)]) / HASH_BUCKETS
+    parts: list[dict[str, np.ndarray]] = []
+    have = 0
+    while have < n:
+        m = max(64, int(np.ceil((n - have) / share * 1.2)))
+        batch = draw(rng, m)
+        keep = in_split(batch["inputs"], split)
+        parts.append({k: v[keep] for k, v in batch.items()})
+        have += int(keep.sum())
+    return {k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]}
+
+
+def loop_steps(loops: int, steps: int) -> np.ndarray:
+    """[R] int: which of a task's K intermediate states (1..K) supervises each loop t = 1..R (per-loop targets).
+
+    R >= K: one step per loop, then the final state held — j(t) = min(t, K). R < K: the steps spread evenly over
+    the loops, the last loop on the final state — j(t) = ceil(t·K / R). One formula: j(t) = min(K, ceil(t·max(1,
+    K/R)))."""
+    t = np.arange(1, int(loops) + 1)
+    if loops >= steps:
+        return np.minimum(t, steps)
+    return (t * steps + loops - 1) // loops

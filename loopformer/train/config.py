@@ -158,6 +158,10 @@ class RunConfig:
         if m.supervision_steps > 1 and m.exit_gate and tr.exit_loss_weight > 0:
             _need(tr.exit_loss == "target", "with model.supervision_steps > 1 the exit gate learns across steps: "
                                             "train.exit_loss must be 'target'")
+        if self.task.loop_targets:
+            _need(tr.loss_loops != "last", "task.loop_targets supervises every loop in the loss: set "
+                                           "train.loss_loops to all or window")
+            _need(m.supervision_steps == 1, "task.loop_targets needs model.supervision_steps = 1")
         if tr.loss_loops == "window":
             _need(tr.loss_window <= m.loops, f"train.loss_window={tr.loss_window} exceeds model.loops={m.loops}")
 

@@ -9,6 +9,9 @@ Per-loop loss (Sec. 5 / App. C.1.3: Sudoku and ICL put every loop's read-out in 
     last       the read-out after the last loop only
     all        the mean of the losses of the read-out after loops 1..R
     window     the mean over the last `loss_window` loops
+Per-loop targets (`task.loop_targets`, tasks with intermediate states): the read-out after loop t is scored against
+the state after the task's step j(t) (`loopformer.tasks.common.loop_steps`) instead of the answer, normalised by the
+answer's supervised positions like the plain per-loop loss.
 Exit gate (a model with `exit_gate`, see `loopformer.model.halting`): `exit_loss` adds, weighted by
 `exit_loss_weight`, the halting target loss (BCE on "the read-out after loop t is correct") or the exit distribution
 loss (the per-loop losses weighted by the exit distribution, minus β × its entropy). A bidirectional model's gate
@@ -30,6 +33,7 @@ from loopformer.errors import UserError
 from loopformer.model.halting import exit_distribution_loss, halting_target_loss, row_mean
 from loopformer.model.diagnostics import is_timestep_param
 from loopformer.tasks.base import IGNORE
+from loopformer.tasks.common import loop_steps
 from loopformer.train.config import TrainConfig
 
 
@@ -78,6 +82,13 @@ def loss_loops(cfg: TrainConfig, loops: int) -> Optional[int]:
     return min(cfg.loss_window, loops)
 
 
+def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int) -> torch.Tensor:
+    """The targets of the last `n_read` of `loops` read-outs from a task's intermediate states: [n_read,B,T] from
+    step_targets [B,K,T], loop t scored against step j(t) (`loop_steps`)."""
+    j = torch.as_tensor(loop_steps(loops, step_targets.shape[1])[loops - n_read:] - 1, device=step_targets.device)
+    return step_targets.index_select(1, j).transpose(0, 1)
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; matrices decay, vectors (norm gains, biases) and embeddings' positions do not (GPT-2 practice).
 
@@ -103,7 +114,8 @@ def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[to
                 ) -> tuple[torch.Tensor, int]:
     """(sum of per-position losses, number of supervised positions).
 
-    Token logits [..., B,T,C] with integer targets [B,T] (IGNORE skipped): cross-entropy.
+    Token logits [..., B,T,C] with integer targets [B,T] (IGNORE skipped): cross-entropy; targets [..., B,T] give
+    every read-out its own targets (per-loop targets; the count is then the mean per read-out).
     Regression outputs [..., B,T,1] with real targets [B,T] and `weight` [B,T] (1 = supervised): squared error.
     Leading dims (loops) are summed over; the count is per read-out.
     """
@@ -113,10 +125,12 @@ def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[to
         err = (pred - targets).pow(2) * w
         return err.sum(), int(w.sum().item())
     lead = logits.shape[:-3]
-    flat_t = targets.expand(*lead, *targets.shape).reshape(-1)
+    per_read = targets.dim() == logits.dim() - 1                   # targets [..., B,T]: one per read-out
+    flat_t = (targets if per_read else targets.expand(*lead, *targets.shape)).reshape(-1)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_t, ignore_index=IGNORE,
                            reduction="sum")
-    return loss, int((targets != IGNORE).sum().item())
+    count = int((targets != IGNORE).sum().item())
+    return loss, count // max(1, math.prod(lead)) if per_read else count
 
 
 def per_loop_losses(all_logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None,

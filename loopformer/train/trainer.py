@@ -46,7 +46,8 @@ from loopformer.train import run
 from loopformer.train.config import RunConfig
 from loopformer.train.ema import EMA
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
-from loopformer.train.optim import exit_loss, loops_at, loss_loops, lr_at, make_optimizer, steps_for, summed_loss
+from loopformer.train.optim import (exit_loss, loop_targets, loops_at, loss_loops, lr_at, make_optimizer, steps_for,
+                                   summed_loss)
 from loopformer.train.run import MetricsLog
 
 
@@ -283,7 +284,9 @@ class Trainer:
                     with self.autocast():
                         out = next(run_steps)
                     logits = out.logits if n_read is None else out.all_logits[-n_read:]
-                    s, _ = summed_loss(logits, mb["targets"], mb.get("weight"))
+                    targets = mb["targets"] if "step_targets" not in mb else \
+                        loop_targets(mb["step_targets"], R, n_read)              # [n_read,B,T] per-loop targets
+                    s, _ = summed_loss(logits, targets, mb.get("weight"))
                     loss = s * (d.world / (global_count * k * N))
                     if gated:   # a mean over this micro-batch: DDP averages it over processes
                         gate = unwrap(self.model).exit_gate                # the gate reads, never steers: detached
@@ -416,6 +419,7 @@ class Trainer:
                 **({"test_ema": final["ema"]["metrics"], "loopwise_ema": final["ema"]["loopwise"]}
                    if "ema" in final else {}),
                 **({"halting": halting} if halting else {}),
+                **({"references": refs} if (refs := self.data.references()) else {}),
             })
         self.log.close()
         return broadcast_object(d, results)

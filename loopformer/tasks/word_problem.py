@@ -1,0 +1,120 @@
+"""The word problem of a finite group: state tracking (a depth-demanding task).
+
+A sample is a word g_1 g_2 … g_n of elements of a group G drawn uniformly; the target at every position i is the
+prefix product p_i = g_1 · g_2 · … · g_i. Knob: n (`length`). For a non-solvable group (S5, A5) the word problem
+is NC¹-complete, so no fixed-depth transformer is believed to solve it as n grows, while a looped one can in
+O(log n) loops by a parallel prefix scan; a cyclic group (Zk) is the solvable control.
+
+Groups (`group`): Sn and An for n = 3, 4, 5 (permutations of 0..n-1, composed left to right: (a·b)(x) = b(a(x)),
+so p_i is "apply g_1, then g_2, …"), and Zk for 2 <= k <= 256 (addition mod k).
+
+Intermediate states (per-loop targets, `task.loop_targets`): the levels of the Hillis–Steele scan, K = ⌈log2 n⌉
+of them — after level j position i holds the product of the 2^j elements ending at i (fewer at the start), and
+level K is the answer.
+
+Layout (bidirectional, T = n):  inputs g_1 … g_n,  targets p_1 … p_n.  Splits are disjoint by a hash of the
+input row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from loopformer.errors import UserError
+from loopformer.tasks.base import TokenTask, Vocab
+from loopformer.tasks.common import check_range, dataclass_options, draw_in_split, exact_match, make_rng
+from loopformer.tasks.common import token_accuracy
+
+
+def _parity(p: tuple[int, ...]) -> int:
+    return sum(p[i] > p[j] for i in range(len(p)) for j in range(i + 1, len(p))) % 2
+
+
+def group_elements(group: str) -> tuple[list[str], np.ndarray]:
+    """(element names, multiplication table M [G, G] with M[a, b] = a·b); element 0 is the identity."""
+    kind, size = group[:1], group[1:]
+    if kind in ("S", "A") and size in ("3", "4", "5"):
+        perms = [p for p in itertools.permutations(range(int(size))) if kind == "S" or _parity(p) == 0]
+        index = {p: i for i, p in enumerate(perms)}
+        table = np.array([[index[tuple(b[a[x]] for x in range(len(a)))] for b in perms] for a in perms])
+        return ["".join(map(str, p)) for p in perms], table
+    if kind == "Z" and size.isdigit() and 2 <= int(size) <= 256:
+        k = int(size)
+        r = np.arange(k)
+        return [f"z{i}" for i in range(k)], (r[:, None] + r[None, :]) % k
+    raise UserError(f"option group must be S3, S4, S5, A3, A4, A5 or Zk with 2 <= k <= 256, got {group!r}")
+
+
+def prefix_products(words: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """[N, n] p_i = g_1 · … · g_i for words [N, n] of element indices."""
+    out = np.empty_like(words)
+    out[:, 0] = words[:, 0]
+    for i in range(1, words.shape[1]):
+        out[:, i] = table[out[:, i - 1], words[:, i]]
+    return out
+
+
+def scan_levels(words: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """[N, K, n] the Hillis–Steele scan, K = ⌈log2 n⌉ levels: level j holds at i the product of g_{i-2^j+1} … g_i."""
+    n = words.shape[1]
+    K = max(1, math.ceil(math.log2(n))) if n > 1 else 1
+    s = words.copy()
+    out = np.empty((words.shape[0], K, n), dtype=words.dtype)
+    for j in range(K):
+        shift = 2 ** j
+        nxt = s.copy()
+        if shift < n:
+            nxt[:, shift:] = table[s[:, :-shift], s[:, shift:]]
+        s = nxt
+        out[:, j] = s
+    return out
+
+
+@dataclass
+class WordProblemTask(TokenTask):
+    """Prefix products of a random word over a finite group."""
+
+    group: str = "S5"
+    length: int = 16          # n: elements per word (the knob)
+
+    name = "word_problem"
+    causal = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group, str):
+            raise UserError(f"option group must be a group name such as S5, A5 or Z60, got {self.group!r}")
+        check_range("length", self.length, 1, 4096)
+        names, self.table = group_elements(self.group)
+        self.order = len(names)
+        self.vocab = Vocab(["<pad>"] + names)
+        self.seq_len = self.length
+        self.steps = scan_levels(np.zeros((1, self.length), dtype=np.int64), self.table).shape[1]
+
+    def options(self) -> dict:
+        return dataclass_options(self)
+
+    def _draw(self, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+        words = rng.integers(0, self.order, size=(n, self.length))
+        levels = scan_levels(words, self.table) + 1                                       # [n,K,T] token ids
+        return {"inputs": (words + 1).astype(np.int32), "targets": levels[:, -1].astype(np.int32),
+                "step_targets": levels.astype(np.int32)}
+
+    def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
+        return draw_in_split(self._draw, n, make_rng(seed, split), split)
+
+    def metrics(self, pred: np.ndarray, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """accuracy: every prefix product right; last_accuracy: the whole word's product right; token_accuracy:
+        prefix products right."""
+        pred, targets = np.asarray(pred), np.asarray(batch["targets"])
+        return {"accuracy": float(exact_match(pred, targets).mean()) if len(pred) else float("nan"),
+                "last_accuracy": float((pred[:, -1] == targets[:, -1]).mean()) if len(pred) else float("nan"),
+                "token_accuracy": token_accuracy(pred, targets)}
+
+    def decode_row(self, batch: dict[str, np.ndarray], i: int) -> str:
+        w = " ".join(self.vocab.decode(batch["inputs"][i]))
+        p = " ".join(self.vocab.decode(batch["targets"][i]))
+        return f"{self.group} word {w}  -> prefix products {p}"

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The depth study (docs/depth.md): tasks whose answer needs a set number of sequential steps, the looped model's
+# accuracy against its loop count r, and looped vs timestep-modulated looped models where depth is needed. Each
+# stage is a `loopformer sweep`, so re-running this script completes an interrupted study (finished runs are
+# skipped, interrupted ones resume). Runs go to $STUDY (default sweeps/depth, ignored by git); `collect` copies the
+# compact results (tables, every run's results.json and dynamics records) into docs/depth/.
+#
+#   bash scripts/depth_study.sh schedule        # the fixed circuit (one layer repeated K = 32 times): looped and
+#                                               #   TMLT at r = 4, 16, 32, seeds 0-2 (18 runs, ~3 min each at r = 32)
+#   bash scripts/depth_study.sh schedule-curve  # ... looped at r = 2 and 8, seed 0 (the rest of the depth curve)
+#   bash scripts/depth_study.sh pointer         # pointer chasing (16 symbols, 12 hops): looped and TMLT at r = 4, 16,
+#                                               #   32, seeds 0-2 (18 runs, ~11 min each at r = 32)
+#   bash scripts/depth_study.sh pointer-curve   # ... looped at r = 2 and 8, seed 0
+#   bash scripts/depth_study.sh distinct        # the circuit with 8 distinct layers (a block must act as different
+#                                               #   layers at different loops): looped vs TMLT at r = 8 and 16, seeds 0-2
+#   bash scripts/depth_study.sh no-targets      # the answer alone in every loop's loss (no per-loop targets), seed 0
+#   bash scripts/depth_study.sh paper           # the TMLT with the paper's parametrisation (adaLN-Zero gates, one lr)
+#   bash scripts/depth_study.sh standard        # standard transformers with as many layers as the looped r = 4 / 8
+#   bash scripts/depth_study.sh icl             # in-context linear regression: looped vs TMLT, r = 4, seeds 0-2
+#   bash scripts/depth_study.sh ablations       # the TMLTs with the loop index removed / without modulation
+#   bash scripts/depth_study.sh collect         # tables and compact results into docs/depth/
+# Cost on 2 CPU cores (two runs at a time, one thread each): see each stage; the whole study is about 3 hours.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STUDY=${STUDY:-sweeps/depth}
+LF=${LOOPFORMER:-.venv/bin/loopformer}
+export OMP_NUM_THREADS=1
+SW=(--jobs "${JOBS:-2}" --threads 1 --quiet)
+PAPER=(model.timestep_gate_init=0 train.timestep_lr_mult=1)
+
+# looped and TMLT at r = 4, 16, 32 over seeds 0-2 (paired by seed): depth CONFIG OUT [override ...]
+depth() {
+  "$LF" sweep "configs/cpu/$1.yaml" eval.max_loops=64 "${@:3}" \
+    --grid seed=0,1,2 model.loops=4,16,32 model.timestep=false,true --out "$STUDY/$2" "${SW[@]}"
+}
+# the looped model at r = 2 and 8, seed 0: curve CONFIG OUT [override ...]
+curve() {
+  "$LF" sweep "configs/cpu/$1.yaml" eval.max_loops=64 "${@:3}" --grid model.loops=2,8 --out "$STUDY/$2" "${SW[@]}"
+}
+
+stage() {
+  case "$1" in
+    schedule)       depth schedule schedule ;;
+    schedule-curve) curve schedule schedule-curve ;;
+    pointer)        depth pointer pointer ;;
+    pointer-curve)  curve pointer pointer-curve ;;
+    distinct)
+      "$LF" sweep configs/cpu/schedule.yaml task.options.layers=8 task.options.period=0 eval.max_loops=32 \
+        --grid seed=0,1,2 model.loops=8,16 model.timestep=false,true --out "$STUDY/distinct" "${SW[@]}" ;;
+    no-targets)
+      for t in schedule pointer; do
+        "$LF" sweep "configs/cpu/$t.yaml" task.loop_targets=false eval.max_loops=64 \
+          --grid model.loops=4,32 --out "$STUDY/$t-no-targets" "${SW[@]}"
+      done ;;
+    paper)
+      for t in schedule pointer; do
+        "$LF" sweep "configs/cpu/$t.yaml" model.timestep=true "${PAPER[@]}" eval.max_loops=64 \
+          --grid model.loops=16 --out "$STUDY/$t-paper" "${SW[@]}"
+      done ;;
+    standard)
+      for t in schedule pointer; do
+        "$LF" sweep "configs/cpu/$t.yaml" model.loops=1 eval.max_loops=1 \
+          --grid model.n_layers=4,8 --out "$STUDY/$t-standard" "${SW[@]}"
+      done ;;
+    icl)
+      "$LF" sweep configs/cpu/icl-linear.yaml --grid seed=0,1,2 model.timestep=false,true \
+        --out "$STUDY/icl-linear" "${SW[@]}" ;;
+    ablations)
+      tmp=$(mktemp -d)
+      for d in schedule pointer distinct; do
+        for run in "$STUDY/$d"/runs/*timestep=true/; do
+          [ -d "$run" ] || continue
+          dest="docs/depth/ablations/$d/$(basename "$run").md"
+          [ -f "$run/results.json" ] && [ ! -f "$dest" ] || continue   # finished runs only
+          "$LF" analyze dynamics "$run" -n 2000 --out "$tmp/$d-$(basename "$run")" >/dev/null
+          mkdir -p "$(dirname "$dest")" && cp "$tmp/$d-$(basename "$run")/dynamics.md" "$dest"
+        done
+      done
+      rm -rf "$tmp" ;;
+    collect)
+      for d in "$STUDY"/*/; do
+        name=$(basename "$d")
+        [ -d "$d/runs" ] || continue
+        "$LF" report "$d" --out "docs/depth/$name" >/dev/null || continue
+        for run in "$d"/runs/*/; do
+          [ -f "$run/results.json" ] || continue
+          dest="docs/depth/$name/runs/$(basename "$run")"
+          mkdir -p "$dest"
+          cp "$run/results.json" "$dest/"
+          grep '"split": "dynamics"' "$run/metrics.jsonl" > "$dest/dynamics.jsonl" || rm -f "$dest/dynamics.jsonl"
+        done
+      done ;;
+    *) echo "unknown stage: $1" >&2; exit 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+for s in "$@"; do stage "$s"; done
