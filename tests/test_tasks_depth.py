@@ -290,3 +290,27 @@ def test_per_loop_targets_refused_where_they_cannot_apply(tmp_path, capsys, over
     err = capsys.readouterr().err
     assert "Traceback" not in err and needle in err
     assert not os.path.exists(tmp_path / "r" / "results.json")
+
+
+def test_loopwise_step_accuracy_scores_each_loop_against_its_state(tmp_path):
+    """A model whose read-out after loop t is exactly layer t's state scores step_accuracy 1 at every loop (and
+    accuracy 1 only from the last layer on): checked with a stand-in model that returns the reference states."""
+    from loopformer.model.looped import LoopOutput
+    from loopformer.sources import TaskConfig, make_data
+
+    data = make_data(TaskConfig(name="schedule", options={"layers": 3, "width": 5, "alphabet": 3}, n_train=10,
+                                n_test=40))
+    states = torch.as_tensor(np.asarray(data.test["step_targets"], dtype=np.int64))           # [N,K,T]
+
+    class Oracle(torch.nn.Module):
+        config = type("C", (), {"loops": 3, "out_dim": 4})()
+
+        def forward(self, x, loops, return_all=False):
+            rows = [int(np.nonzero((data.test["inputs"] == r).all(1))[0][0]) for r in x.numpy()]
+            seq = [states[rows, min(t, 2)] for t in range(loops)]                               # [b,T] each
+            logits = torch.stack([torch.nn.functional.one_hot(s, 4).float() for s in seq])      # [R,b,T,C]
+            return LoopOutput(logits=logits[-1], hidden=logits[-1], all_logits=logits)
+
+    out = data.evaluate_loops(Oracle(), 4, True, 16, 0, torch.device("cpu"), torch.no_grad, False)
+    assert [m["step_accuracy"] for m in out] == [1.0, 1.0, 1.0, 1.0]
+    assert [m["accuracy"] for m in out][:2] != [1.0, 1.0] and out[2]["accuracy"] == out[3]["accuracy"] == 1.0

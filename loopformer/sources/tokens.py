@@ -1,7 +1,9 @@
 """Token tasks (edit distance, LCS, Sudoku, Countdown and any task registered in `loopformer.tasks.TASKS`; paper
 Sec. 5.1.1): fixed-length rows `inputs` / `targets` [N,T] generated in memory from the config or read from a
 prepared data folder (`loopformer.data`), visited in epochs, each a fresh permutation `default_rng([seed, epoch])`.
-Evaluation: argmax predictions [R,N,T] → the task's metrics per loop (headline: exact-match 'accuracy').
+Evaluation: argmax predictions [R,N,T] → the task's metrics per loop (headline: exact-match 'accuracy'); for tasks
+with intermediate states also `step_accuracy`, loop t against the state after step j(t) it is trained on with
+`task.loop_targets` (`loopformer.tasks.common.loop_steps`; past the trained r, the answer).
 Tasks with symmetries (Sudoku): `augment` draws training rows under random symmetries, a pure function of
 (seed, step, row key), so any process count and a resumed run see the same bytes; `evaluate_votes` predicts
 symmetric copies of every test row, maps them back and votes per position.
@@ -22,6 +24,7 @@ from loopformer.model.recursion import step_exits
 from loopformer.sources.base import (DataSource, TaskConfig, check_dir, eval_rows, plain, read_outs,
                                      stream_indices)
 from loopformer.tasks import IGNORE, TASKS, TokenTask, get_task
+from loopformer.tasks.common import exact_match, loop_steps
 
 
 def hide_answers(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -149,7 +152,14 @@ class TokenData(DataSource):
         full = {k: np.concatenate([b[k] for b in rows]) for k in rows[0]}
         if not all_loops:
             return [self.metrics(pred[0], full)]
-        return [self.metrics(pred[t], full) for t in range(pred.shape[0])]
+        out = [self.metrics(pred[t], full) for t in range(pred.shape[0])]
+        if "step_targets" in full:    # tasks with intermediate states: loop t against the state it is trained on
+            steps = full["step_targets"]                                                  # [N,K,T]
+            j = loop_steps(model.config.loops, steps.shape[1])                           # [r]: 1..K
+            for t, m in enumerate(out):
+                state = steps[:, (j[t] if t < len(j) else j[-1]) - 1]                     # [N,T]
+                m["step_accuracy"] = float(exact_match(pred[t], state).mean())
+        return out
 
     def evaluate_with(self, forwards, batch_size, limit, device, progress):
         preds: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
