@@ -11,6 +11,7 @@
 #   bash scripts/depth_study.sh pointer         # pointer chasing (16 symbols, 12 hops): looped and TMLT at r = 4, 16,
 #                                               #   32, seeds 0-2 (18 runs, ~11 min each at r = 32)
 #   bash scripts/depth_study.sh pointer-curve   # ... looped at r = 2 and 8, seed 0
+#   bash scripts/depth_study.sh word            # the word problem of S5 (32 elements): looped at r = 2, 4, 8, 16, seed 0
 #   bash scripts/depth_study.sh distinct        # the circuit with 8 distinct layers (a block must act as different
 #                                               #   layers at different loops): looped vs TMLT at r = 8 and 16, seeds 0-2
 #   bash scripts/depth_study.sh no-targets      # the answer alone in every loop's loss (no per-loop targets), seed 0
@@ -44,6 +45,8 @@ stage() {
     schedule-curve) curve schedule schedule-curve ;;
     pointer)        depth pointer pointer ;;
     pointer-curve)  curve pointer pointer-curve ;;
+    word)
+      "$LF" sweep configs/cpu/word.yaml eval.max_loops=32 --grid model.loops=2,4,8,16 --out "$STUDY/word" "${SW[@]}" ;;
     distinct)
       "$LF" sweep configs/cpu/schedule.yaml task.options.layers=8 task.options.period=0 eval.max_loops=32 \
         --grid seed=0,1,2 model.loops=8,16 model.timestep=false,true --out "$STUDY/distinct" "${SW[@]}" ;;
@@ -94,5 +97,5 @@ stage() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
