@@ -108,3 +108,29 @@ def test_baselines():
     assert dt_err[-15:].mean() < dt_err[:3].mean()
     curves = baseline_curves(tr["xs"][:, :10], tr["ys"][:, :10], 4, names=["zero", "knn"])
     assert set(curves) == {"zero", "knn"} and curves["zero"].shape == (10,)
+
+
+def test_reference_predictors_are_scored_like_the_model():
+    """references() on the test prompts: predicting 0 scores what a model that outputs 0 scores in evaluation, least
+    squares is exact once the prompt holds d examples."""
+    import torch
+
+    from loopformer.model.looped import LoopOutput
+    from loopformer.sources import TaskConfig, make_data
+
+    cfg = TaskConfig(name="icl", options={"function_class": "linear", "n_dims": 3}, n_test=64, points=9)
+    data = make_data(cfg)
+    refs = data.references()
+    assert set(refs) == {"zero", "least_squares", "knn"}
+
+    class Zero(torch.nn.Module):
+        config = type("C", (), {"loops": 1})()
+
+        def forward(self, x, loops, return_all=False):
+            z = torch.zeros(*x.shape[:2], 1)
+            return LoopOutput(logits=z, hidden=z, all_logits=z[None].expand(loops, *z.shape))
+
+    got = data.evaluate_loops(Zero(), 1, False, 16, 0, torch.device("cpu"), torch.no_grad, False)[0]
+    assert got["mse"] == pytest.approx(refs["zero"]["mse"], rel=1e-5)
+    assert got["mse_last"] == pytest.approx(refs["zero"]["mse_last"], rel=1e-5)
+    assert refs["least_squares"]["mse_last"] < 1e-8 < refs["knn"]["mse_last"] < refs["zero"]["mse_last"] * 2
