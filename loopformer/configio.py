@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
@@ -36,8 +37,32 @@ def one_line(exc: BaseException) -> str:
     return first
 
 
+MAX_STRING = 4096                                   # the longest string a config value may hold
+_RESOLVER = re.compile(r"\$\{\s*[\w.\-]+\s*:")        # ${name:...}: a resolver (oc.env, oc.decode, ...)
+
+
+def check_values(layer: Any, where: str, key: str = "") -> None:
+    """Refuse what must not reach a run folder: resolver interpolations (`${oc.env:SECRET}` would be written, resolved,
+    into config.yaml and the checkpoint's config.json — which may be pushed to a hub) and strings longer than
+    MAX_STRING (every config is copied into several files of each run). References to other keys (`${model.loops}`)
+    are fine."""
+    if isinstance(layer, dict):
+        for k, v in layer.items():
+            check_values(v, where, f"{key}.{k}" if key else str(k))
+    elif isinstance(layer, list):
+        for i, v in enumerate(layer):
+            check_values(v, where, f"{key}[{i}]")
+    elif isinstance(layer, str):
+        if len(layer) > MAX_STRING:
+            raise UserError(f"{where}: {key} holds a string of {len(layer):,} characters (at most {MAX_STRING:,})")
+        if _RESOLVER.search(layer):
+            raise UserError(f"{where}: {key} = {layer[:80]!r} uses a resolver interpolation; its value (e.g. from the "
+                            "environment) would be written into the run folder and checkpoints: give the value itself")
+
+
 def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> list:
-    """The YAML file at `path` and the dotted `overrides`, parsed but not yet checked against a schema."""
+    """The YAML file at `path` and the dotted `overrides`, parsed but not yet checked against a schema (see
+    `check_values` for what is refused)."""
     layers = []
     if path is not None:
         if not os.path.isfile(path):
@@ -48,11 +73,13 @@ def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] 
             raise UserError(f"cannot parse config {path}: {one_line(exc)}") from None
         if not isinstance(layer, DictConfig):
             raise UserError(f"config {path} must hold key: value pairs at the top level (it holds a list)")
+        check_values(OmegaConf.to_container(layer, resolve=False), f"config {path}")
         layers.append(layer)
     overrides = list(overrides)
     for ov in overrides:
         if "=" not in ov:
             raise UserError(f"override {ov!r} is not of the form key=value")
+        check_values(ov.split("=", 1)[1], "override", ov.split("=", 1)[0])
     if overrides:
         try:
             layers.append(OmegaConf.from_dotlist(overrides))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -50,9 +51,22 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return write_with(path, lambda tmp: tmp.write_text(text))
 
 
+def finite_or_none(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float replaced by None (JSON has no NaN)."""
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
 def write_json(path: str | os.PathLike, obj: Any, *, indent: Optional[int] = 2, **dumps: Any) -> Path:
-    """Atomically write `obj` as JSON (`json.dumps(obj, indent=indent, **dumps)` and a newline) to `path`."""
-    return write_text(path, json.dumps(obj, indent=indent, **dumps) + "\n")
+    """Atomically write `obj` as strict JSON (`json.dumps(obj, indent=indent, **dumps)` and a newline) to `path`:
+    a NaN or infinite number is written as null, never as the non-standard `NaN` / `Infinity`."""
+    dumps.setdefault("allow_nan", False)
+    return write_text(path, json.dumps(finite_or_none(obj), indent=indent, **dumps) + "\n")
 
 
 def write_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:

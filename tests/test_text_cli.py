@@ -100,3 +100,33 @@ def test_generate_cli(setup, capsys):
     assert main(halted + ["--no-cache"]) == 0 and capsys.readouterr().out == exits
     assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--halt", "kl"]) == 2
     one_line_error(capsys, "CRITERION:THRESHOLD")
+
+
+def test_generate_from_a_run_folder_and_non_utf8_prompts(setup, capsys):
+    tmp_path, corpus, model = setup
+    save_checkpoint(tmp_path / "run" / "checkpoint", model, task={"name": "text", "data_dir": str(tmp_path / "data")})
+    args = ["--prompt", "to be", "--max-new-tokens", "4", "--temperature", "0"]
+    assert main(["generate", str(tmp_path / "ckpt"), *args]) == 0
+    want = capsys.readouterr().out
+    assert main(["generate", str(tmp_path / "run"), *args]) == 0          # the run folder names its checkpoint
+    assert capsys.readouterr().out == want
+    bad = b"to \xff be".decode("utf-8", "surrogateescape")                  # how argv delivers undecodable bytes
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", bad]) == 2
+    one_line_error(capsys, "not valid UTF-8")
+
+
+def test_generate_caps_loops_and_sizes_the_cache_first(setup, capsys):
+    tmp_path, corpus, model = setup
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--max-new-tokens", "4",
+                 "--loops", "100000000"]) == 2
+    one_line_error(capsys, "loops must be in 1..1024")
+    from loopformer.model import memory
+    from loopformer.text.generate import SamplingConfig, generate
+
+    budget = sum(memory.estimate(model.config, batch=2, seq_len=4, loops=900, cache_len=4).values())
+    with pytest.MonkeyPatch.context() as mp:      # a machine with less free memory than this cache needs
+        mp.setattr(memory, "available_bytes", lambda device="cpu": budget - 1)
+        with pytest.raises(Exception, match="generation needs about"):
+            generate(model, [[1, 2], [3, 4]], SamplingConfig(max_new_tokens=2, loops=900))
+        assert generate(model, [[1, 2], [3, 4]], SamplingConfig(max_new_tokens=2, loops=900),
+                        memory_check=False).tokens

@@ -275,7 +275,9 @@ def _check_manifest_fields(m: dict, mpath: str) -> None:
 
 def _id_range(fpath: str, targets: bool) -> dict:
     """The smallest and largest token id of an id array (for targets IGNORE excluded), read in blocks of rows."""
-    arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
+    arr = load_array(fpath, os.path.basename(os.path.dirname(fpath)) + "/" + os.path.basename(fpath))
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise UserError(f"{fpath} holds {arr.dtype} values, not token ids (integers)")
     lo, hi, ignored = None, None, False
     step = max(1, (1 << 24) // max(1, arr.itemsize * int(np.prod(arr.shape[1:]) or 1)))
     for i in range(0, len(arr), step):
@@ -294,6 +296,15 @@ def _ids_fit(rng: Any, vocab_size: int) -> bool:
         return False
     lo, hi = rng.get("min"), rng.get("max")
     return lo is None or (0 <= lo and hi < vocab_size)
+
+
+def load_array(fpath: str, shown: str, mmap: bool = True) -> np.ndarray:
+    """A .npy file memory-mapped read-only (or read), refusing pickled objects; a header that claims more data than
+    the file holds, an object dtype or a damaged header is a one-line UserError."""
+    try:
+        return np.load(fpath, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise UserError(f"cannot read {shown}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
 
 
 def open_dataset(path: str | os.PathLike, verify: bool = False, mmap: bool = True):
@@ -326,11 +337,7 @@ def open_dataset(path: str | os.PathLike, verify: bool = False, mmap: bool = Tru
             if verify:
                 rec = verify_file(fpath, manifest["checksums"].get(rel), f"dataset {path}", shown=rel,
                                   extra=(lambda f=fpath, k=key: _id_range(f, k == "targets")) if ids else None)
-            try:
-                arr = np.load(fpath, mmap_mode="r" if mmap else None, allow_pickle=False)
-            except (ValueError, OSError, EOFError) as exc:
-                raise UserError(f"dataset {path}: cannot read {rel}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
-                                ) from None
+            arr = load_array(fpath, f"dataset {path}: {rel}", mmap)
             if verify and ids and not _ids_fit(rec["extra"], task.vocab_size):
                 lo, hi = rec["extra"]["min"], rec["extra"]["max"]
                 raise UserError(f"dataset {path}: {rel} holds token ids in [{lo}, {hi}], outside the task's "

@@ -10,7 +10,8 @@ from pathlib import Path
 from loopformer.commandline import HALT_HELP, add_device, add_quiet, add_rows
 from loopformer.configio import from_dict
 from loopformer.errors import UserError
-from loopformer.eval.evaluate import MAX_LOOPS, check_eval_args, evaluate, format_results
+from loopformer.eval.evaluate import check_eval_args, evaluate, format_results
+from loopformer.model.memory import loop_cap
 from loopformer.eval.halting import evaluate_halting, format_halting, halting_sweep, sweep_plot
 from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.fileio import pick_device, write_json
@@ -44,7 +45,7 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     model = load(p, device=dev, ema=ema, **({"timestep_past": timestep_past} if timestep_past else {}))
     data = make_data(task_cfg)
     r = loops or model.config.total_loops
-    cap = max(MAX_LOOPS, 2 * model.config.total_loops)
+    cap = loop_cap(model.config.total_loops)
     res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, cap) if loopwise else 0),
                    batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=progress, votes=votes,
                    step_halt=step_halt)

@@ -24,19 +24,17 @@ import torch
 
 from loopformer.errors import UserError
 from loopformer.model.io import unwrap
+from loopformer.model.memory import MAX_LOOPS, check_loops
 from loopformer.sources import DataSource
 
-MAX_LOOPS = 1024   # the most loops an evaluation runs (loops, max_loops), or twice the trained r if that is more
 
 
 def check_eval_args(loops: Optional[int] = None, max_loops: Optional[int] = None, batch_size: int = 1,
                     limit: int = 0, trained: int = 0) -> None:
     """One-line UserErrors for evaluation arguments out of range (None: the default). `trained`: the model's
     trained loop count (raises the cap to 2 × trained when that exceeds MAX_LOOPS)."""
-    cap = max(MAX_LOOPS, 2 * trained)
     for name, v in (("loops", loops), ("max_loops", max_loops)):
-        if v is not None and not 1 <= v <= cap:
-            raise UserError(f"{name} must be in 1..{cap} (got {v})")
+        check_loops(v, trained, name)
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1 (got {batch_size})")
     if limit < 0:

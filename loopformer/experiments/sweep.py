@@ -8,14 +8,22 @@ has finished (`results.json`) and resumed from its checkpoint when it was interr
 completes it. With `jobs > 1` runs go to parallel worker processes (each with `threads` CPU threads) under one
 progress bar weighted by compute (steps × loops × layers); afterwards `loopformer.experiments.report` writes the
 table and plots.
+
+Signals: SIGINT, SIGTERM and SIGHUP (Ctrl-C, `kill`, `docker stop`, a scheduler's kill, a closed terminal) stop the
+sweep cleanly: the workers are sent SIGTERM and waited for, so a re-run finds every run folder resumable and no
+worker still writing. On Linux a worker also receives SIGTERM if the sweep itself dies without cleanup (SIGKILL).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +136,37 @@ def _run_inprocess(config: Optional[str], spec: RunSpec, overrides: list[str], t
     train(cfg, resume=resume, progress=progress)
 
 
+@contextlib.contextmanager
+def stop_on_signals():
+    """While the sweep runs, SIGTERM and SIGHUP raise SystemExit(128 + signal) in the main thread (as SIGINT raises
+    KeyboardInterrupt), so the sweep's cleanup runs; a repeated signal during the cleanup is ignored. The previous
+    handlers are restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise SystemExit(128 + signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _die_with_parent() -> None:
+    """In a worker (Linux): receive SIGTERM when the sweep process dies, even by SIGKILL (prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):   # no prctl (not Linux): the sweep's own cleanup still stops its workers
+        pass
+
+
 def run_sweep(config: Optional[str], grid: list[tuple[str, list[str]]], baseline: list[str], out: str | os.PathLike,
               overrides: list[str] = (), jobs: int = 1, threads: int = 0, progress: bool = True,
               desc: str = "sweep") -> list[RunSpec]:
@@ -143,13 +182,14 @@ def run_sweep(config: Optional[str], grid: list[tuple[str, list[str]]], baseline
     todo = [s for s in specs if not _done(s)]
     if progress and len(todo) < len(specs):
         print(f"{desc}: {len(specs) - len(todo)} of {len(specs)} runs already finished, skipped", file=sys.stderr)
-    if jobs <= 1:
-        for i, s in enumerate(todo):
-            if progress:
-                print(f"{desc}: run {i + 1}/{len(todo)}: {s.name}", file=sys.stderr)
-            _run_inprocess(config, s, overrides, threads, progress)
-        return specs
-    _run_parallel(config, todo, specs, overrides, jobs, threads, progress, desc, out)
+    with stop_on_signals():
+        if jobs <= 1:
+            for i, s in enumerate(todo):
+                if progress:
+                    print(f"{desc}: run {i + 1}/{len(todo)}: {s.name}", file=sys.stderr)
+                _run_inprocess(config, s, overrides, threads, progress)
+            return specs
+        _run_parallel(config, todo, specs, overrides, jobs, threads, progress, desc, out)
     return specs
 
 
@@ -172,7 +212,7 @@ def _run_parallel(config, todo: list[RunSpec], specs: list[RunSpec], overrides, 
                 s = queue.pop(0)
                 fh = open(log_dir / f"{s.name}.log", "w")
                 proc = subprocess.Popen(_command(config, s, overrides, threads), stdout=fh, stderr=subprocess.STDOUT,
-                                        env=env)
+                                        env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                 running[s.name] = (proc, s, fh)
             time.sleep(1.0)
             for name in list(running):

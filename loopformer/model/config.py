@@ -19,6 +19,10 @@ from loopformer.errors import UserError
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _HEADS = ("lm", "sequence", "regression")
 _PAST_R = ("continue", "clamp")
+# upper bounds of the size fields (far above any model that fits a machine today; checked before allocating)
+LIMITS = {"vocab_size": 1 << 24, "input_dim": 1 << 20, "max_len": 1 << 24, "d_model": 1 << 17, "n_heads": 1 << 12,
+          "head_dim": 1 << 14, "ffn_dim": 1 << 20, "n_layers": 4096, "loops": 4096, "supervision_steps": 4096,
+          "timestep_freq_dim": 1 << 16, "n_out": 1 << 24}
 
 
 @dataclass
@@ -87,6 +91,11 @@ class ModelConfig:
 
         need((self.vocab_size > 0) != (self.input_dim > 0),
              f"exactly one of vocab_size / input_dim must be > 0 (got {self.vocab_size}, {self.input_dim})")
+        for name, hi in LIMITS.items():    # sizes no machine holds: refused before anything is allocated
+            v = getattr(self, name)
+            need(v is None or v <= hi, f"{name}={v} exceeds {hi:,} (the largest this library accepts)")
+        need(self.supervision_steps * self.loops <= LIMITS["loops"],
+             f"supervision_steps × loops = {self.supervision_steps * self.loops} exceeds {LIMITS['loops']:,}")
         need(self.d_model > 0 and self.n_heads > 0, "d_model and n_heads must be positive")
         if self.head_dim is None:
             need(self.d_model % self.n_heads == 0,
@@ -126,6 +135,8 @@ class ModelConfig:
         need(not (self.exit_gate and self.head == "sequence"),
              "exit_gate needs a per-position read-out (head lm or regression), not head='sequence'")
         need(self.init_std > 0, "init_std must be positive")
+        need(self.norm_eps is None or (math.isfinite(self.norm_eps) and self.norm_eps > 0),
+             f"norm_eps must be a positive number or null (got {self.norm_eps})")
         need(math.isfinite(self.timestep_gate_init), "timestep_gate_init must be a finite number")
 
     # derived sizes

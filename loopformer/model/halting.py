@@ -71,6 +71,13 @@ class HaltRule:
             raise UserError(f"halting max_loops must be >= 1 (got {self.max_loops})")
         if self.min_loops < 1:
             raise UserError(f"halting min_loops must be >= 1 (got {self.min_loops})")
+        if self.max_loops is not None and self.min_loops > self.max_loops:
+            raise UserError(f"halting min_loops={self.min_loops} exceeds max_loops={self.max_loops}: no loop "
+                            "count satisfies both")
+        for name in ("patience", "max_loops", "min_loops"):
+            v = getattr(self, name)
+            if v is not None and v > 1 << 20:
+                raise UserError(f"halting {name}={v} is beyond any loop count (at most {1 << 20:,})")
 
     @classmethod
     def parse(cls, text: str) -> "HaltRule":

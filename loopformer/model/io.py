@@ -37,6 +37,7 @@ from loopformer.errors import UserError
 from loopformer.fileio import new_folder
 from loopformer.model.config import ModelConfig
 from loopformer.model.looped import LoopedTransformer
+from loopformer.model.memory import check_fits, param_count
 from loopformer.version import __version__
 
 WEIGHTS, CONFIG, STATE, EMA_WEIGHTS = "model.safetensors", "config.json", "training_state.pt", "ema.safetensors"
@@ -61,6 +62,29 @@ def _hidden(dest: Path) -> list[Path]:
         return []
     return sorted(p for p in dest.parent.iterdir()
                   if p.name.startswith((f".{dest.name}.tmp-", f".{dest.name}.old-")) and p.is_dir())
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """{tensor name: shape} from a .safetensors file's header, reading nothing else."""
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        return {k: [int(x) for x in v["shape"]] for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        raise UserError(f"{path} is truncated or corrupt") from None
+
+
+def check_shapes(cfg: ModelConfig, path: Path) -> None:
+    """The config's parameter shapes (a model built on the meta device: nothing allocated) against the weights
+    file's header: a checkpoint whose config.json and weights disagree is refused before the model is built."""
+    with torch.device("meta"):
+        want = {k: list(v.shape) for k, v in LoopedTransformer(cfg).state_dict().items()}
+    have = safetensors_shapes(path)
+    for name, shape in want.items():
+        if name in have and have[name] != shape:
+            raise UserError(f"checkpoint {path.parent} does not match its config: {name} has shape {have[name]} "
+                            f"in {path.name}, the config asks for {shape}")
 
 
 def safetensors_complete(path: Path) -> bool:
@@ -168,8 +192,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """(model config, the rest of config.json) of a checkpoint folder."""
-    p = Path(path)
+    """(model config, the rest of config.json) of a checkpoint folder (or of the one inside a run folder)."""
+    p = resolve_checkpoint(path)
     if not p.exists():
         raise UserError(f"checkpoint not found: {p}")
     if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
@@ -184,16 +208,23 @@ def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     return from_dict(ModelConfig, data), extra
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu", ema: bool = False,
+def load(path: str | os.PathLike, device: str | torch.device = "cpu", ema: bool = False, memory_check: bool = True,
          **overrides: Any) -> LoopedTransformer:
-    """Load a checkpoint folder strictly and return the model in eval mode, ready for inference.
+    """Load a checkpoint folder (or the one inside a run folder) strictly and return the model in eval mode, ready
+    for inference. Before anything is allocated the parameters are compared with the memory available
+    (`memory_check`) and the config's shapes with the weights file's header; weights holding NaN or infinities
+    are refused (a diverged model's metrics mean nothing).
 
     ema: load the averaged weights (ema.safetensors) instead of the raw ones.
     `overrides` replace config fields that do not change the weights (e.g. `loops=64`, `dropout=0.0`).
     """
+    path = resolve_checkpoint(path)
     cfg, _ = read_config(path)
     if overrides:
         cfg = cfg.replace(**overrides)
+    if memory_check:
+        check_fits({"parameters": 4 * param_count(cfg)}, device, f"the model of {path}")
+    check_shapes(cfg, path / (EMA_WEIGHTS if ema and (path / EMA_WEIGHTS).is_file() else WEIGHTS))
     model = LoopedTransformer(cfg)
     load_weights(model, path, device, ema=ema)
     return model.to(device).eval()
@@ -207,7 +238,7 @@ def has_ema(path: str | os.PathLike) -> bool:
 def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | torch.device = "cpu",
                  ema: bool = False) -> None:
     """Load `path/model.safetensors` (`ema`: `path/ema.safetensors`) into `model` strictly; a missing or truncated
-    file or a shape mismatch is a UserError."""
+    file, a shape mismatch or a non-finite value is a UserError."""
     f = Path(path) / (EMA_WEIGHTS if ema else WEIGHTS)
     if ema and not f.is_file():
         raise UserError(f"{path} holds no averaged weights ({EMA_WEIGHTS}; train with train.ema_decay > 0)")
@@ -222,6 +253,10 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | 
     if missing or unexpected:
         raise UserError(f"checkpoint {path} does not match its config: missing {sorted(missing)[:3]}, "
                         f"unexpected {sorted(unexpected)[:3]}")
+    for name, p in unwrap(model).state_dict().items():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            raise UserError(f"{f} holds NaN or infinite values ({name}): the model diverged or the file was "
+                            f"damaged; refusing to use it")
 
 
 def has_training_state(path: str | os.PathLike) -> bool:

@@ -16,7 +16,7 @@ from typing import Optional
 from loopformer.commandline import add_device, add_group, add_halt, add_quiet
 from loopformer.errors import UserError
 from loopformer.fileio import pick_device, write_json
-from loopformer.model.io import load, read_config
+from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.text.corpus import PrepareOptions, prepare_corpus
 from loopformer.text.dataset import TokenCorpus
 from loopformer.text.generate import SamplingConfig, generate_text
@@ -87,6 +87,8 @@ def _generate_parser(parent, help_suffix: str) -> None:
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the prepared corpus whose tokenizer to use (default: the one the checkpoint was trained on)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="skip the comparison of the model's and the cache's estimated size with the free memory")
     add_halt(p)
     add_device(p)
     p.set_defaults(func=_generate)
@@ -143,12 +145,14 @@ def _generate(args) -> int:
     device = pick_device(args.device)
     if not os.path.isdir(args.checkpoint):
         raise UserError(f"checkpoint not found: {args.checkpoint}")
+    args.checkpoint = str(resolve_checkpoint(args.checkpoint))        # a run folder names its checkpoint
     data = args.data or checkpoint_data_dir(args.checkpoint)
     if data is None:
         raise UserError("cannot tell which tokenizer this checkpoint uses; pass --data DIR (its prepared corpus)")
     tokenizer = TokenCorpus(data).tokenizer()
-    model = load(args.checkpoint, device=device)
-    texts = generate_text(model, tokenizer, args.prompt, cfg, use_cache=not args.no_cache)
+    model = load(args.checkpoint, device=device, memory_check=not args.no_memory_check)
+    texts = generate_text(model, tokenizer, args.prompt, cfg, use_cache=not args.no_cache,
+                          memory_check=not args.no_memory_check)
     for prompt, text in zip(args.prompt, texts):
         if len(args.prompt) > 1:
             print(f"--- {prompt!r}")

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
 from loopformer.model.halting import HaltRule
+from loopformer.model.memory import check_fits, check_loops, estimate
 
 
 @dataclass
@@ -119,12 +120,13 @@ def _device(model) -> torch.device:
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConfig] = None,
              eos_id: Optional[int] = None, pad_id: int = 0, use_cache: bool = True, return_logits: bool = False,
-             progress: bool = False) -> Generation:
+             progress: bool = False, memory_check: bool = True) -> Generation:
     """Continue each token list in `prompts`; see the module docstring.
 
     `use_cache=False` recomputes the whole (left-padded) sequence for every new token — the reference the cache is
     checked against, and the only way past the model's `max_len` (the context is then cropped to the last
-    `max_len` columns).
+    `max_len` columns). The loop count is capped (`loopformer.model.memory.check_loops`) and the key/value cache's
+    size compared with the memory available before it is allocated (`memory_check`).
     """
     cfg = cfg or SamplingConfig()
     device = _device(model)
@@ -136,6 +138,11 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
     if use_cache and max_len is not None and P + N > max_len:
         raise UserError(f"prompt ({P} tokens) + {N} new tokens exceed the model's context of {max_len}; "
                         "shorten them or generate without the cache")
+    check_loops(cfg.loops, model.config.loops)
+    if use_cache and memory_check:   # every loop keeps its own keys and values: refuse before allocating them
+        R = cfg.loops or (HaltRule.parse(cfg.halt).max_loops if cfg.halt is not None else None) or model.config.loops
+        check_fits(estimate(model.config, batch=B, seq_len=P + N, loops=R, cache_len=P + N), device,
+                   "generation", hint="fewer prompts, loops or new tokens")
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     kw: dict = {} if cfg.loops is None else {"loops": cfg.loops}
     if cfg.halt is not None:
@@ -188,8 +195,14 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
 
 
 def generate_text(model, tokenizer, prompts: Sequence[str], cfg: Optional[SamplingConfig] = None,
-                  use_cache: bool = True, progress: bool = False) -> list[str]:
+                  use_cache: bool = True, progress: bool = False, memory_check: bool = True) -> list[str]:
     """Continue each prompt string; returns the generated continuations (without the prompts, without EOS)."""
+    for p in prompts:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:     # undecodable bytes from the command line arrive as lone surrogates
+            raise UserError(f"prompt {p.encode('utf-8', 'backslashreplace').decode()!r} is not valid UTF-8 "
+                            "text") from None
     encoded = [tokenizer.encode(p) for p in prompts]
     for p, e in zip(prompts, encoded):
         if not e:
@@ -198,7 +211,7 @@ def generate_text(model, tokenizer, prompts: Sequence[str], cfg: Optional[Sampli
             raise UserError(f"prompt {p!r} has token id {max(e)} outside the model's vocabulary "
                             f"({model.config.vocab_size}); was the model trained with this tokenizer?")
     res = generate(model, encoded, cfg, eos_id=tokenizer.eot_id, pad_id=tokenizer.eot_id, use_cache=use_cache,
-                   progress=progress)
+                   progress=progress, memory_check=memory_check)
     out = []
     for toks in res.tokens:
         if toks and toks[-1] == tokenizer.eot_id:

@@ -24,7 +24,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_for_resume(args.resume, overrides)
     else:
         cfg = load_run_config(config, overrides)
-    results = train(cfg, resume=args.resume is not None, progress=False if args.quiet else None)
+    results = train(cfg, resume=args.resume is not None, progress=False if args.quiet else None,
+                    overwrite=args.overwrite)
     if results is not None and not args.quiet:
         print(format_results(results["metric"], results["test"], results.get("loopwise", []), results["loops"]))
         print(f"run folder: {cfg.out_dir}")
@@ -37,6 +38,8 @@ def register(subparsers) -> None:
                                           "launch with torchrun --nproc_per_node=N for data parallelism.")
     p.add_argument("items", nargs="*", metavar="CONFIG [key=value ...]")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR (its run folder or checkpoint)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in out_dir even if it holds an earlier run (deleted) or other files (kept)")
     add_device(p, default=None)
     add_quiet(p, "no progress bar or summary")
     p.set_defaults(func=cmd_train)

@@ -142,6 +142,8 @@ class RunConfig:
     seed: int = 0                     # model initialisation and dropout
     device: str = "auto"              # auto | cpu | cuda | mps
     threads: int = 0                  # CPU threads for torch (0: torch's default)
+    memory_check: bool = True         # refuse a run whose estimated memory (parameters, optimiser, activations,
+                                      # read-outs: loopformer.model.memory) exceeds what the device has available
     model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=1))
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=1000))

@@ -7,18 +7,23 @@
     checkpoint/       the latest checkpoint (`loopformer.model.io`: weights, config.json, training state)
     results.json      written last: final test metrics, loop-wise curve, parameter count, time
     tb/               TensorBoard events (when the tensorboard package is installed)
+    .lock             held (an exclusive OS lock, `RunLock`) for the whole life of a `train` / `--resume`
+                      process, holding that process's id: a second writer is refused with one line naming it
 
 The trainer (`loopformer.train.trainer`) writes it; sweeps, reports, `analyze dynamics` and `--resume` read it.
 Every file is replaced atomically (`loopformer.fileio`); the metrics log is appended line by line and, on resume,
-cut back to the checkpoint's step.
+cut back to the checkpoint's step. A fresh run refuses a folder holding files it does not write (the user's own:
+its YAML, notes, data) unless asked to overwrite (`train --overwrite`), which leaves such files in place.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -28,12 +33,53 @@ from omegaconf import OmegaConf
 
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
-from loopformer.fileio import write_json, write_text
+from loopformer.fileio import finite_or_none, write_json, write_text
 from loopformer.model.io import RUN_CHECKPOINT, has_training_state, recover_checkpoint
 from loopformer.train.config import RunConfig, load_run_config
 
-CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR = (
-    "config.yaml", "run.json", "metrics.jsonl", "results.json", RUN_CHECKPOINT)
+CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR, LOCK_FILE = (
+    "config.yaml", "run.json", "metrics.jsonl", "results.json", RUN_CHECKPOINT, ".lock")
+RUN_ENTRIES = (CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR, LOCK_FILE, "tb")   # what a run writes
+
+
+# ------------------------------------------------------------------------------------------------- the lock
+class RunLock:
+    """An exclusive lock on a run folder (`fcntl.flock` on its `.lock` file, which holds the holder's process id),
+    held from `acquire` until `release` or the process's end (the OS drops it even after a kill)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 64).decode("ascii", "replace").strip() or "another process"
+            os.close(fd)
+            raise UserError(f"{self.path.parent} is in use by process {holder} (a run is training there); wait for "
+                            f"it or stop it first") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """The names in `run_dir` that a run does not write (ignoring atomic writes' hidden temporary names)."""
+    if not run_dir.is_dir():
+        return []
+    ours = set(RUN_ENTRIES)
+    return sorted(p.name for p in run_dir.iterdir()
+                  if p.name not in ours and not any(p.name.startswith(f".{n}.") for n in ours))
 
 
 # ------------------------------------------------------------------------------------------------- provenance
@@ -78,17 +124,6 @@ def nonfinite_key(record: dict) -> Optional[str]:
             elif isinstance(x, float) and not math.isfinite(x):
                 return k
     return None
-
-
-def finite_or_none(obj: Any) -> Any:
-    """`obj` with every NaN or infinite float replaced by None (JSON has no NaN)."""
-    if isinstance(obj, dict):
-        return {k: finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_or_none(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 # ------------------------------------------------------------------------------------------------- reading
@@ -160,17 +195,30 @@ def load_for_resume(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
 
 
 # ------------------------------------------------------------------------------------------------- writing
-def prepare(run_dir: Path, resume: bool) -> None:
-    """Make `run_dir` ready for a fresh run (refusing one that holds a run) or for resuming (repairing a
-    checkpoint swap cut short by a kill first)."""
+def prepare(run_dir: Path, resume: bool, overwrite: bool = False) -> None:
+    """Make `run_dir` ready for a fresh run (refusing one that holds a run, or files a run does not write, unless
+    `overwrite`) or for resuming (repairing a checkpoint swap cut short by a kill first). Call it holding the
+    folder's `RunLock`. `overwrite` deletes an earlier run's checkpoint and results, never other files."""
     ckpt_dir = run_dir / CKPT_DIR
     if ckpt_dir.parent.is_dir():
         recover_checkpoint(ckpt_dir)           # a swap cut short by a kill: put the checkpoint back in place
     if resume and not has_training_state(ckpt_dir):
         raise UserError(f"cannot resume: {ckpt_dir} holds no training state")
-    if not resume and (ckpt_dir.exists() or (run_dir / RESULTS_FILE).exists()):
-        raise UserError(f"{run_dir} already holds a run: resume it (train with resume, `loopformer train --resume "
-                        f"{run_dir}`) or choose another out_dir")
+    if not resume and not overwrite:
+        if ckpt_dir.exists() or (run_dir / RESULTS_FILE).exists():
+            raise UserError(f"{run_dir} already holds a run: resume it (train with resume, `loopformer train "
+                            f"--resume {run_dir}`), choose another out_dir or pass --overwrite")
+        foreign = foreign_entries(run_dir)
+        if foreign:
+            raise UserError(f"out_dir {run_dir} holds files a run does not write ({', '.join(foreign[:3])}"
+                            f"{', ...' if len(foreign) > 3 else ''}): choose an empty or new folder, or pass "
+                            f"--overwrite (those files are kept)")
+    if not resume and overwrite:
+        for old in (ckpt_dir, run_dir / RESULTS_FILE):
+            if old.is_dir():
+                shutil.rmtree(old)
+            elif old.exists():
+                old.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -258,7 +306,8 @@ class MetricsLog:
             self.wandb.finish()
 
 
-__all__ = ["CONFIG_FILE", "RUN_FILE", "METRICS_FILE", "RESULTS_FILE", "CKPT_DIR", "MetricsLog", "read_results",
+__all__ = ["CONFIG_FILE", "RUN_FILE", "METRICS_FILE", "RESULTS_FILE", "CKPT_DIR", "LOCK_FILE", "RUN_ENTRIES",
+           "RunLock", "foreign_entries", "MetricsLog", "read_results",
            "read_metrics", "results_done", "resumable", "resolve_resume", "load_for_resume", "prepare",
            "write_start", "write_results", "git_commit", "package_versions", "config_yaml", "nonfinite_key",
            "finite_or_none"]

@@ -39,6 +39,7 @@ from loopformer.eval.halting import evaluate_halting
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint, unwrap
 from loopformer.model.looped import LoopedTransformer
+from loopformer.model.memory import check_fits, estimate
 from loopformer.model.recursion import supervision_steps
 from loopformer.sources import DataSource, make_data
 from loopformer.tasks import IGNORE
@@ -120,15 +121,20 @@ def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loop
 
 # ------------------------------------------------------------------------------------------------- training
 def train(cfg: RunConfig, *, resume: bool = False, on_step: Optional[Callable[[int], None]] = None,
-          progress: Optional[bool] = None) -> dict:
+          progress: Optional[bool] = None, overwrite: bool = False) -> dict:
     """Train per `cfg`; returns the final results dict (also written to `out_dir/results.json` by rank 0).
 
     resume: continue from `out_dir/checkpoint` (the same run folder). on_step(step) is called after each
-    optimiser step (tests use it to interrupt a run). Under torchrun every process calls this.
+    optimiser step (tests use it to interrupt a run). overwrite: start afresh in a folder holding an earlier run or
+    other files (see `loopformer.train.run.prepare`). Rank 0 holds the run folder's lock throughout. Under torchrun
+    every process calls this.
     """
     d = setup(cfg.device)
+    lock = run.RunLock(cfg.out_dir) if d.main else None
     try:
-        t = Trainer(cfg, d, resume)
+        if lock is not None:
+            lock.acquire()
+        t = Trainer(cfg, d, resume, overwrite)
         if t.finished:                           # a finished run: nothing to do, nothing rewritten
             barrier(d)
             return run.read_results(t.run_dir)
@@ -152,6 +158,8 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Optional[Callable[[i
         t.checkpoint(t.total)
         return t.finish(final)
     finally:
+        if lock is not None:
+            lock.release()
         teardown()
 
 
@@ -159,7 +167,7 @@ class Trainer:
     """One process's training state: data, model (and its DDP / compiled wrapper), optimiser, gradient scaler,
     the open log window, and the run folder it writes (rank 0)."""
 
-    def __init__(self, cfg: RunConfig, d: Dist, resume: bool):
+    def __init__(self, cfg: RunConfig, d: Dist, resume: bool, overwrite: bool = False):
         self.cfg, self.d, tc = cfg, d, cfg.train
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -171,13 +179,18 @@ class Trainer:
         self.ckpt_dir = self.run_dir / run.CKPT_DIR
         self.resume = resume
         if d.main:
-            run.prepare(self.run_dir, resume)
+            run.prepare(self.run_dir, resume, overwrite)
         barrier(d)
 
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed % 2 ** 32)
         self.data: DataSource = make_data(cfg.task)
         self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
+        if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
+            check_fits(estimate(cfg.model, batch=self.B // (d.world * tc.grad_accum), training=True,
+                                read_outs=loss_loops(tc, cfg.model.loops) or 1, ema=tc.ema_decay > 0), d.device,
+                       "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
+                                        "or set model.checkpoint=true")
         self.model = LoopedTransformer(cfg.model).to(d.device)
         self.optimizer = make_optimizer(self.model, tc)
         named = list(self.model.named_parameters())
