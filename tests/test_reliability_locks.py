@@ -91,6 +91,16 @@ def test_a_fresh_run_keeps_off_a_folder_of_the_user_s_files(cfg, tmp_path, capsy
     assert (out / "results.json").read_bytes() != first and (out / "notes.yaml").exists()
 
 
+def test_the_yaml_being_trained_is_never_overwritten(tmp_path, capsys):
+    out = tmp_path / "exp"
+    out.mkdir()
+    mine = "# my experiment: keep this comment\n" + TINY_YAML
+    (out / "config.yaml").write_text(mine)
+    assert main(["train", str(out / "config.yaml"), f"out_dir={out}", "--quiet"]) == 2
+    error_line(capsys, "config.yaml")
+    assert (out / "config.yaml").read_text() == mine
+
+
 # ------------------------------------------------------------------------------------------------ signals
 SWEEP_YAML = TINY_YAML.replace("steps: 4", "steps: 60").replace("eval_every: 2", "eval_every: 10")
 

@@ -74,12 +74,13 @@ class RunLock:
 
 
 def foreign_entries(run_dir: Path) -> list[str]:
-    """The names in `run_dir` that a run does not write (ignoring atomic writes' hidden temporary names)."""
+    """The names in `run_dir` that a run did not write (ignoring atomic writes' hidden temporary names). A run writes
+    run.json first, so in a folder without it every entry is the user's — a `config.yaml` there too."""
     if not run_dir.is_dir():
         return []
-    ours = set(RUN_ENTRIES)
+    ours = set(RUN_ENTRIES) if (run_dir / RUN_FILE).is_file() else {LOCK_FILE}
     return sorted(p.name for p in run_dir.iterdir()
-                  if p.name not in ours and not any(p.name.startswith(f".{n}.") for n in ours))
+                  if p.name not in ours and not any(p.name.startswith(f".{n}.") for n in RUN_ENTRIES))
 
 
 # ------------------------------------------------------------------------------------------------- provenance
@@ -223,9 +224,10 @@ def prepare(run_dir: Path, resume: bool, overwrite: bool = False) -> None:
 
 
 def write_start(run_dir: Path, cfg: RunConfig, info: dict) -> None:
-    """config.yaml and run.json (provenance `info`) of a run that starts or resumes."""
-    write_text(run_dir / CONFIG_FILE, config_yaml(cfg))
+    """run.json (provenance `info`; first: it marks the folder as a run's) and config.yaml of a run that starts or
+    resumes."""
     write_json(run_dir / RUN_FILE, info, default=str)
+    write_text(run_dir / CONFIG_FILE, config_yaml(cfg))
 
 
 def write_results(run_dir: Path, results: dict) -> dict:
