@@ -28,6 +28,7 @@ LF=${LOOPFORMER:-.venv/bin/loopformer}
 export OMP_NUM_THREADS=1
 SW=(--jobs "${JOBS:-2}" --threads 1 --quiet)
 PAPER=(model.timestep_gate_init=0 train.timestep_lr_mult=1)
+. scripts/study_lib.sh
 
 # looped and TMLT at r = 4, 16, 32 over seeds 0-2 (paired by seed): depth CONFIG OUT [override ...]
 depth() {
@@ -69,30 +70,9 @@ stage() {
       "$LF" sweep configs/cpu/icl-linear.yaml --grid seed=0,1,2 model.timestep=false,true \
         --out "$STUDY/icl-linear" "${SW[@]}" ;;
     ablations)
-      tmp=$(mktemp -d)
-      for d in schedule pointer distinct; do
-        for run in "$STUDY/$d"/runs/*timestep=true/; do
-          [ -d "$run" ] || continue
-          dest="docs/depth/ablations/$d/$(basename "$run").md"
-          [ -f "$run/results.json" ] && [ ! -f "$dest" ] || continue   # finished runs only
-          "$LF" analyze dynamics "$run" -n 2000 --out "$tmp/$d-$(basename "$run")" >/dev/null
-          mkdir -p "$(dirname "$dest")" && cp "$tmp/$d-$(basename "$run")/dynamics.md" "$dest"
-        done
-      done
-      rm -rf "$tmp" ;;
+      ablate docs/depth schedule pointer distinct icl-linear ;;
     collect)
-      for d in "$STUDY"/*/; do
-        name=$(basename "$d")
-        [ -d "$d/runs" ] || continue
-        "$LF" report "$d" --out "docs/depth/$name" >/dev/null || continue
-        for run in "$d"/runs/*/; do
-          [ -f "$run/results.json" ] || continue
-          dest="docs/depth/$name/runs/$(basename "$run")"
-          mkdir -p "$dest"
-          cp "$run/results.json" "$dest/"
-          grep '"split": "dynamics"' "$run/metrics.jsonl" > "$dest/dynamics.jsonl" || rm -f "$dest/dynamics.jsonl"
-        done
-      done ;;
+      collect docs/depth ;;
     *) echo "unknown stage: $1" >&2; exit 2 ;;
   esac
 }

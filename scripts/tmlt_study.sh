@@ -35,6 +35,7 @@ export OMP_NUM_THREADS=1
 SW=(--jobs "${JOBS:-2}" --threads 1 --quiet)
 # the paper's parametrisation: adaLN-Zero gates (0) and one learning rate for all parameters
 PAPER=(model.timestep_gate_init=0 train.timestep_lr_mult=1)
+. scripts/study_lib.sh
 
 # looped vs TMLT (default recipe), seeds 0-2, same data: pair TASK R OUT [override ...], loop-wise up to 2r
 pair() {
@@ -119,36 +120,9 @@ stage() {
     lcs32-grad)
       pair lcs 32 lcs32-grad train.loss_loops=last model.grad_loops=16 ;;
     ablations)
-      # each 3-seed cell's TMLTs at r on the whole test set: as trained, with the loops' average modulation, without
-      # modulation (`analyze dynamics`); the dynamics.md of each into docs/tmlt-study/ablations/STAGE/RUN.md
-      tmp=$(mktemp -d)
-      for d in ed16 ed16-last lcs16-last ed16-window lcs16-window ed32-last ed32-window ed16-curriculum; do
-        for run in "$STUDY/$d"/runs/*timestep=true/; do
-          dest="docs/tmlt-study/ablations/$d/$(basename "$run").md"
-          [ -f "$run/results.json" ] && [ ! -f "$dest" ] || continue   # finished runs only
-          "$LF" analyze dynamics "$run" -n 2000 --out "$tmp/$d-$(basename "$run")" >/dev/null
-          mkdir -p "$(dirname "$dest")" && cp "$tmp/$d-$(basename "$run")/dynamics.md" "$dest"
-        done
-      done
-      rm -rf "$tmp" ;;
+      ablate docs/tmlt-study ed16 ed16-last lcs16-last ed16-window lcs16-window ed32-last ed32-window ed16-curriculum ;;
     collect)
-      for d in "$STUDY"/*/; do
-        name=$(basename "$d")
-        [ -d "$d/runs" ] || continue
-        "$LF" report "$d" --out "docs/tmlt-study/$name" >/dev/null || continue
-        rm -f "docs/tmlt-study/$name/loops.png"
-        for run in "$d"/runs/*/; do
-          [ -f "$run/results.json" ] || continue
-          mkdir -p "docs/tmlt-study/$name/runs/$(basename "$run")"
-          cp "$run/results.json" "docs/tmlt-study/$name/runs/$(basename "$run")/"
-          dest="docs/tmlt-study/$name/runs/$(basename "$run")"
-          grep '"split": "dynamics"' "$run/metrics.jsonl" > "$dest/dynamics.jsonl" || rm -f "$dest/dynamics.jsonl"
-          case "$(basename "$run")" in   # per-loop dynamics on 1,000 test rows up to 2r, for the first seed
-            *seed=*) case "$(basename "$run")" in *seed=0*) ;; *) continue ;; esac ;;
-          esac
-          "$LF" analyze dynamics "$run" -n 1000 --out "$dest" >/dev/null
-        done
-      done ;;
+      collect docs/tmlt-study ;;
     *) echo "unknown stage: $1" >&2; exit 2 ;;
   esac
 }

@@ -24,23 +24,10 @@ from loopformer.fileio import write_json
 from loopformer.model import memory
 from loopformer.model.halting import HaltRule
 from loopformer.train.run import RunLock
+from test_cli_errors import TINY_YAML as TINY_CLI_YAML
+from test_cli_errors import error_line
 
-TINY_YAML = """\
-task: {name: lcs, options: {length: 3, alphabet_min: 2, alphabet_max: 3}, n_train: 64, n_test: 16}
-model: {d_model: 16, n_heads: 2, loops: 2}
-train: {steps: 4, batch_size: 8, log_every: 1, eval_every: 2}
-eval: {max_loops: 3}
-log: {tensorboard: false, progress: false}
-"""
-
-
-def error_line(capsys, needle: str = "") -> str:
-    cap = capsys.readouterr()
-    assert "Traceback" not in cap.err, cap.err
-    err = [line for line in cap.err.splitlines() if "loopformer: error: " in line]
-    assert len(err) == 1 and cap.err.count("loopformer: error: ") == 1, cap.err
-    assert needle in err[0], err[0]
-    return err[0]
+TINY_YAML = TINY_CLI_YAML.replace("steps: 2", "steps: 4").replace("eval_every: 1", "eval_every: 2")
 
 
 @pytest.fixture()

@@ -1,0 +1,43 @@
+# Shared stages of the study scripts (sourced by scripts/tmlt_study.sh and scripts/depth_study.sh). Each function
+# reads the variables LF (the loopformer command) and STUDY (the folder of the study's sweeps).
+
+# ablate DOCS STAGE...: each finished TMLT run of the stages at its trained r on 2,000 test rows — as trained, with
+# the loops' average modulation, without modulation (`analyze dynamics`) — into DOCS/ablations/STAGE/RUN.md
+ablate() {
+  local docs=$1 tmp d run dest
+  shift
+  tmp=$(mktemp -d)
+  for d in "$@"; do
+    for run in "$STUDY/$d"/runs/*timestep=true/; do
+      [ -d "$run" ] || continue
+      dest="$docs/ablations/$d/$(basename "$run").md"
+      [ -f "$run/results.json" ] && [ ! -f "$dest" ] || continue   # finished runs only
+      "$LF" analyze dynamics "$run" -n 2000 --out "$tmp/$d-$(basename "$run")" >/dev/null
+      mkdir -p "$(dirname "$dest")" && cp "$tmp/$d-$(basename "$run")/dynamics.md" "$dest"
+    done
+  done
+  rm -rf "$tmp"
+}
+
+# collect DOCS: every sweep of the study into DOCS/<sweep>/ — its report (tables, loop-wise plot), every run's
+# results.json and dynamics records, and the per-loop dynamics of the first seed's runs on 1,000 test rows
+collect() {
+  local docs=$1 d name run dest
+  for d in "$STUDY"/*/; do
+    name=$(basename "$d")
+    [ -d "$d/runs" ] || continue
+    "$LF" report "$d" --out "$docs/$name" >/dev/null || continue
+    rm -f "$docs/$name/loops.png"
+    for run in "$d"/runs/*/; do
+      [ -f "$run/results.json" ] || continue
+      dest="$docs/$name/runs/$(basename "$run")"
+      mkdir -p "$dest"
+      cp "$run/results.json" "$dest/"
+      grep '"split": "dynamics"' "$run/metrics.jsonl" > "$dest/dynamics.jsonl" || rm -f "$dest/dynamics.jsonl"
+      case "$(basename "$run")" in   # per-loop dynamics up to 2r for the first seed
+        *seed=*) case "$(basename "$run")" in *seed=0*) ;; *) continue ;; esac ;;
+      esac
+      [ -f "$dest/dynamics.md" ] || "$LF" analyze dynamics "$run" -n 1000 --out "$dest" >/dev/null
+    done
+  done
+}
