@@ -24,10 +24,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STUDY=${STUDY:-sweeps/depth}
-LF=${LOOPFORMER:-.venv/bin/loopformer}
-export OMP_NUM_THREADS=1
-SW=(--jobs "${JOBS:-2}" --threads 1 --quiet)
-PAPER=(model.timestep_gate_init=0 train.timestep_lr_mult=1)
 . scripts/study_lib.sh
 
 # looped and TMLT at r = 4, 16, 32 over seeds 0-2 (paired by seed): depth CONFIG OUT [override ...]

@@ -1,5 +1,10 @@
-# Shared stages of the study scripts (sourced by scripts/tmlt_study.sh and scripts/depth_study.sh). Each function
-# reads the variables LF (the loopformer command) and STUDY (the folder of the study's sweeps).
+# Shared settings and stages of the study scripts (sourced by scripts/tmlt_study.sh and scripts/depth_study.sh after
+# they set STUDY, the folder of the study's sweeps). $LOOPFORMER overrides the command, $JOBS the parallel runs.
+LF=${LOOPFORMER:-.venv/bin/loopformer}
+export OMP_NUM_THREADS=1
+SW=(--jobs "${JOBS:-2}" --threads 1 --quiet)
+# the paper's parametrisation: adaLN-Zero gates (0) and one learning rate for all parameters
+PAPER=(model.timestep_gate_init=0 train.timestep_lr_mult=1)
 
 # ablate DOCS STAGE...: each finished TMLT run of the stages at its trained r on 2,000 test rows — as trained, with
 # the loops' average modulation, without modulation (`analyze dynamics`) — into DOCS/ablations/STAGE/RUN.md

@@ -30,11 +30,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STUDY=${STUDY:-sweeps/tmlt}
-LF=${LOOPFORMER:-.venv/bin/loopformer}
-export OMP_NUM_THREADS=1
-SW=(--jobs "${JOBS:-2}" --threads 1 --quiet)
-# the paper's parametrisation: adaLN-Zero gates (0) and one learning rate for all parameters
-PAPER=(model.timestep_gate_init=0 train.timestep_lr_mult=1)
 . scripts/study_lib.sh
 
 # looped vs TMLT (default recipe), seeds 0-2, same data: pair TASK R OUT [override ...], loop-wise up to 2r
