@@ -7,6 +7,7 @@
     add_rows       -n / --n N: only the first N rows
     add_halt       --halt RULE: adaptive depth by a halting rule (loopformer.model.halting)
     split_items    CONFIG [key=value ...]: the config file and the dotted overrides of `train` / `sweep`
+    parse_options  key=value task options (`data gen --opt`, `eval --task-opt`), values read as YAML scalars
     intermixed     let key=value overrides come before or after the options
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 from typing import Optional
+
+import yaml
 
 from loopformer.errors import UserError
 from loopformer.fileio import check_device
@@ -88,4 +91,25 @@ def intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-__all__ = ["split_items", "intermixed"]
+def parse_options(pairs: list[str] | None, flag: str = "--opt") -> dict:
+    """`key=value` strings to a dict; values are read as YAML scalars (60 -> int, 0.5 -> float, null -> None).
+    `flag` names the option in messages."""
+    out: dict = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise UserError(f"{flag} {pair!r} is not of the form key=value")
+        key, raw = pair.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if not key:
+            raise UserError(f"{flag} {pair!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str) and value.lower() == "none":
+            value = None
+        out[key] = value
+    return out
+
+
+__all__ = ["split_items", "intermixed", "parse_options"]

@@ -132,3 +132,44 @@ def test_vector_eval_matches_squared_error():
     err = (out[:, 0::2] - ys) ** 2 / 3
     assert res["metrics"]["mse"] == pytest.approx(err.mean(), rel=1e-5)
     assert res["metrics"]["mse_last"] == pytest.approx(err[:, -1].mean(), rel=1e-5)
+
+
+def test_eval_on_other_data_longer_strings_and_another_folder(tmp_path, capsys):
+    """A model trained on ED-6 (with room for longer rows: model.max_len=22) evaluated on ED-8 from the command line,
+    on a dataset folder of another seed, and refused with one line where the data cannot fit."""
+    from loopformer.cli import main
+
+    yaml = tmp_path / "ed.yaml"
+    yaml.write_text("task: {name: edit_distance, options: {length: 6, alphabet_min: 3, alphabet_max: 4, "
+                    "alphabet_pool: 4}, n_train: 128, n_test: 32, answer_only: true}\n"
+                    "model: {d_model: 16, n_heads: 2, loops: 2, input_injection: true}\n"
+                    "train: {steps: 3, batch_size: 16, log_every: 1}\neval: {max_loops: 2}\n"
+                    "log: {tensorboard: false, progress: false}\n")
+    for name, extra in (("wide", ["model.max_len=22"]), ("narrow", [])):
+        assert main(["train", str(yaml), f"out_dir={tmp_path / name}", "--quiet", *extra]) == 0
+        assert capsys.readouterr().out.startswith("test: accuracy=")        # --quiet keeps the metrics line
+    out = tmp_path / "ed8.json"
+    assert main(["eval", str(tmp_path / "wide"), "--task-opt", "length=8", "--no-loopwise", "--quiet",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["data"]["options"]["length"] == 8 and res["data"]["n_test"] == 32 and "length': 8" in printed
+    own = json.loads((tmp_path / "wide" / "results.json").read_text())
+    assert own["task"]["options"]["length"] == 6
+    assert main(["eval", str(tmp_path / "narrow"), "--task-opt", "length=8", "--no-loopwise"]) == 2
+    assert "model.max_len=22" in capsys.readouterr().err
+    data = tmp_path / "ed6-seed5"
+    assert main(["data", "gen", "edit_distance", "--out", str(data), "--train", "40", "--test", "24", "--seed", "5",
+                 "--opt", "length=6", "alphabet_min=3", "alphabet_max=4", "alphabet_pool=4"]) == 0
+    assert main(["eval", str(tmp_path / "wide"), "--data", str(data), "--no-loopwise", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["data"]["data_dir"] == str(data) and res["data"]["n_test"] == 24
+    other = tmp_path / "lcs"
+    assert main(["data", "gen", "lcs", "--out", str(other), "--train", "8", "--test", "8", "--opt", "length=6"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "wide"), "--data", str(other)]) == 2
+    assert "holds the lcs task" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "wide"), "--data", str(data), "--task-opt", "length=8"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "wide"), "--task-opt", "length=-3"]) == 2
+    assert "length" in capsys.readouterr().err

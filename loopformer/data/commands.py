@@ -13,9 +13,8 @@ import os
 import time
 
 import numpy as np
-import yaml
 
-from loopformer.commandline import add_group, add_quiet, add_rows
+from loopformer.commandline import add_group, add_quiet, add_rows, parse_options
 from loopformer.data.dataset import open_dataset, read_manifest, write_dataset, write_splits
 from loopformer.errors import UserError
 from loopformer.tasks import TASKS, get_task
@@ -31,26 +30,6 @@ def _count(text: str) -> int:
     if value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"not a non-negative integer: {text!r}")
     return int(value)
-
-
-def parse_options(pairs: list[str] | None) -> dict:
-    """`key=value` strings to a dict; values are read as YAML scalars (60 -> int, 0.5 -> float, null -> None)."""
-    out: dict = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise UserError(f"--opt {pair!r} is not of the form key=value")
-        key, raw = pair.split("=", 1)
-        key = key.strip().replace("-", "_")
-        if not key:
-            raise UserError(f"--opt {pair!r} has an empty key")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        if isinstance(value, str) and value.lower() == "none":
-            value = None
-        out[key] = value
-    return out
 
 
 def _check_out(out: str, force: bool) -> None:

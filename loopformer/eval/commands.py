@@ -5,9 +5,11 @@ to fixed depth (`loopformer.eval.halting`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
+from typing import Optional
 
-from loopformer.commandline import HALT_HELP, add_device, add_quiet, add_rows
+from loopformer.commandline import HALT_HELP, add_device, add_quiet, add_rows, parse_options
 from loopformer.configio import from_dict
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import check_eval_args, evaluate, format_results
@@ -16,19 +18,60 @@ from loopformer.eval.halting import evaluate_halting, format_halting, halting_sw
 from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.fileio import pick_device, write_json
 from loopformer.model.io import load, read_config, resolve_checkpoint
-from loopformer.sources import TaskConfig, make_data
+from loopformer.sources import TaskConfig, make_data, model_fields, source_class
+
+
+def other_data(task_cfg: TaskConfig, recorded: dict, data_dir: Optional[str], task_opts: Optional[dict]
+               ) -> TaskConfig:
+    """The task section to evaluate on instead of the run's own test split: a dataset folder `data_dir` of the same
+    task, or the run's task regenerated with `task_opts` replacing some of its options (`recorded`: the task the
+    checkpoint records, the data folder's task for runs trained on one)."""
+    if data_dir and task_opts:
+        raise UserError("--data and --task-opt exclude each other (a data folder fixes its task's options)")
+    trained = recorded.get("name") or task_cfg.name
+    if data_dir:
+        new = dataclasses.replace(task_cfg, data_dir=data_dir)
+        name = source_class(new).task_name(new)
+        if name != trained:
+            raise UserError(f"--data {data_dir} holds the {name} task; the model was trained on {trained}")
+        return new
+    options = {**dict(recorded.get("options") or task_cfg.options), **task_opts}
+    try:
+        return dataclasses.replace(task_cfg, name=trained, options=options, data_dir=None)
+    except ValueError as exc:
+        raise UserError(f"--task-opt: {exc}") from None
+
+
+def check_data_fits(data, task_cfg: TaskConfig, model_cfg) -> None:
+    """One-line refusal when other data does not fit the model: another read-in width, causality or read-out,
+    rows longer than its learned positions, or input token ids outside its vocabulary (answers the model cannot
+    write are allowed: they count as wrong)."""
+    fields = model_fields(task_cfg)
+    for key in ("input_dim", "causal", "head"):
+        if fields[key] != getattr(model_cfg, key):
+            raise UserError(f"the data does not fit the model: its {key} is {fields[key]}, the model's "
+                            f"{getattr(model_cfg, key)}")
+    if model_cfg.indexed_positions and fields["max_len"] > model_cfg.max_len:
+        raise UserError(f"the data's rows hold {fields['max_len']} positions, the model learned {model_cfg.max_len} "
+                        f"(train with model.max_len={fields['max_len']} to test longer inputs)")
+    top = data.max_input_id()
+    if top is not None and top >= model_cfg.vocab_size:
+        raise UserError(f"the data's inputs use token id {top}, outside the model's vocabulary of "
+                        f"{model_cfg.vocab_size}")
 
 
 def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | None = None, device: str = "auto",
                         limit: int = 0, batch_size: int = 256, loopwise: bool = True, progress: bool = True,
                         halt: list[str] | None = None, halt_sweep: list[str] | None = None,
                         timestep_past: str | None = None, ema: bool = False, votes: int = 0,
-                        step_halt: float = 0.5) -> dict:
+                        step_halt: float = 0.5, data_dir: Optional[str] = None,
+                        task_opts: Optional[dict] = None) -> dict:
     """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise); with `halt`
     rules also adaptive depth ("halting"), with `halt_sweep` criteria the sweep ("halting_sweep");
     `timestep_past` overrides the model's behaviour past its trained loops; `ema`: the averaged weights; `votes`:
     test-time augmentation with that many copies per test row; `step_halt`: the stop probability at which halting
-    across supervision steps stops a row."""
+    across supervision steps stops a row. `data_dir` / `task_opts`: evaluate on another dataset folder of the task,
+    or on a test split regenerated with other task options (`other_data`); results["data"] names the data."""
     rules = [HaltRule.parse(h) for h in halt or []]
     for c in halt_sweep or []:
         if c not in CRITERIA:
@@ -41,15 +84,21 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     if not run.get("task"):
         raise UserError(f"{p} records no task (it was not written by `loopformer train`)")
     task_cfg = from_dict(TaskConfig, run["task"])
+    elsewhere = bool(data_dir or task_opts)
+    if elsewhere:
+        task_cfg = other_data(task_cfg, extra.get("task") or {}, data_dir, task_opts)
     dev = pick_device(device)
     model = load(p, device=dev, ema=ema, **({"timestep_past": timestep_past} if timestep_past else {}))
     data = make_data(task_cfg)
+    if elsewhere:
+        check_data_fits(data, task_cfg, model.config)
     r = loops or model.config.total_loops
     cap = loop_cap(model.config.total_loops)
     res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, cap) if loopwise else 0),
                    batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=progress, votes=votes,
                    step_halt=step_halt)
     res["checkpoint"] = str(p)
+    res["data"] = data.describe()
     res["weights"] = "ema" if ema else "raw"
     res["trained_loops"] = model.config.total_loops
     res["timestep_past"] = model.config.timestep_past
@@ -78,11 +127,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device, args.n, args.batch_size,
                               loopwise=not args.no_loopwise, progress=not args.quiet, halt=args.halt,
                               halt_sweep=sweep, timestep_past=args.past_r, ema=args.ema, votes=args.votes,
-                              step_halt=args.step_halt)
+                              step_halt=args.step_halt, data_dir=args.data,
+                              task_opts=parse_options(args.task_opt, "--task-opt") if args.task_opt else None)
     per = res["stepwise"][0]["loop"] if res["stepwise"] else 0
     steps = f"{res['trained_loops'] // per} supervision steps of {per} loops, " if per else ""
     print(f"checkpoint: {res['checkpoint']}{' (averaged weights)' if args.ema else ''} (trained with {steps}r = "
           f"{res['trained_loops']}; evaluated at r = {res['loops']}; loop index past r: {res['timestep_past']})")
+    if args.data or args.task_opt:
+        d = res["data"]
+        print(f"data: {d.get('data_dir') or 'generated'} ({d.get('name')}, options {d.get('options')}, "
+              f"{d.get('n_test')} test rows)")
     print(format_results(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"], res["stepwise"]))
     for key, title in (("halting", "adaptive depth"), ("halting_sweep", "adaptive depth, threshold sweep")):
         if key in res:
@@ -122,6 +176,11 @@ def register(subparsers) -> None:
     p.add_argument("--plot", metavar="FILE", help="draw the --halt-sweep (PNG)")
     p.add_argument("--past-r", choices=["continue", "clamp"], default=None,
                    help="the timestep encoding's loop index past the trained loops (default: the checkpoint's)")
+    p.add_argument("--data", metavar="DIR", help="evaluate on this dataset folder of the model's task (another seed, "
+                                                 "more blanks, an imported file) instead of the run's test split")
+    p.add_argument("--task-opt", action="append", metavar="KEY=VALUE",
+                   help="evaluate on a test split regenerated with this task option changed (repeatable), e.g. "
+                        "length=8 for longer strings")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     add_quiet(p, "no progress bar")
     p.set_defaults(func=cmd_eval)

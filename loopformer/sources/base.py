@@ -4,6 +4,7 @@ A data source is one kind of task (token task, vector task, text corpus) seen by
 
     model_fields(cfg)   (class) the ModelConfig fields the task fixes: read-in, max_len, causality, read-out
     epoch_rows(cfg)     (class) rows per epoch as far as the config tells (None: sampled on the fly)
+    task_name(cfg)      (class) the task's name (a data folder's: from its manifest)
     plan(step, B)       the B row keys of the *global* batch of optimiser step `step`: a pure function of
                         (data seed, step), so resuming needs only the step and 2 processes with batch B/2 see
                         exactly the rows of 1 process with batch B
@@ -99,6 +100,15 @@ class DataSource:
 
     @classmethod
     def epoch_rows(cls, cfg: TaskConfig) -> Optional[int]:
+        return None
+
+    @classmethod
+    def task_name(cls, cfg: TaskConfig) -> str:
+        """The name of the task `cfg` serves (for a data folder: the one its manifest names)."""
+        return cfg.name
+
+    def max_input_id(self) -> Optional[int]:
+        """The largest token id in the test split's inputs (None: the inputs are not token ids)."""
         return None
 
     def plan(self, step: int, batch_size: int) -> np.ndarray:

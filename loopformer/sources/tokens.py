@@ -77,6 +77,13 @@ class TokenData(DataSource):
     def epoch_rows(cls, cfg: TaskConfig) -> Optional[int]:
         return cfg.n_train
 
+    @classmethod
+    def task_name(cls, cfg: TaskConfig) -> str:
+        return cls.task_from(cfg).name
+
+    def max_input_id(self) -> Optional[int]:
+        return int(np.max(self.test["inputs"])) if len(self.test["inputs"]) else None
+
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
         if cfg.data_dir:
@@ -216,7 +223,7 @@ class TokenData(DataSource):
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.task.name, "options": plain(self.task.options()), "data_dir": self.cfg.data_dir,
-                "n_train": self.cfg.n_train, "n_test": self.cfg.n_test, "seed": self.cfg.seed,
+                "n_train": self.n_train, "n_test": len(self.test["inputs"]), "seed": self.cfg.seed,
                 "answer_only": self.cfg.answer_only, "augment": self.cfg.augment, "loop_targets": self.cfg.loop_targets,
                 "metric": self.metric}
 

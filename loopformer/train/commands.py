@@ -26,9 +26,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_run_config(config, overrides)
     results = train(cfg, resume=args.resume is not None, progress=False if args.quiet else None,
                     overwrite=args.overwrite)
-    if results is not None and not args.quiet:
-        print(format_results(results["metric"], results["test"], results.get("loopwise", []), results["loops"]))
-        print(f"run folder: {cfg.out_dir}")
+    if results is not None:
+        summary = format_results(results["metric"], results["test"], results.get("loopwise", []), results["loops"])
+        print(summary.splitlines()[0] if args.quiet else summary)      # --quiet: the final metrics line only
+        if not args.quiet:
+            print(f"run folder: {cfg.out_dir}")
     return 0
 
 
@@ -41,7 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in out_dir even if it holds an earlier run (deleted) or other files (kept)")
     add_device(p, default=None)
-    add_quiet(p, "no progress bar or summary")
+    add_quiet(p, "no progress bar; of the summary only the final metrics line")
     p.set_defaults(func=cmd_train)
     intermixed(p)
 
