@@ -57,19 +57,32 @@ def test_word_problem_against_composition(group, order):
         assert [int(p) - 1 for p in batch["targets"][i]] == word_reference(group, word, names)
 
 
-def test_word_problem_scan_levels_are_window_products():
-    task = get_task("word_problem", group="S4", length=13)
-    assert task.steps == 4                                     # ⌈log2 13⌉
+@pytest.mark.parametrize("scan,steps,window", [("doubling", 4, lambda j: 2 ** (j + 1)), ("linear", 12, lambda j: j + 2)])
+def test_word_problem_scan_states_are_window_products(scan, steps, window):
+    task = get_task("word_problem", group="S4", length=13, scan=scan)
+    assert task.steps == steps
     b = task.generate(50, seed=0)
     names = task.vocab.tokens[1:]
     for i in range(50):
         word = [int(g) - 1 for g in b["inputs"][i]]
         for j in range(task.steps):
             for pos in range(13):
-                lo = max(0, pos - 2 ** (j + 1) + 1)
+                lo = max(0, pos - window(j) + 1)
                 want = word_reference("S4", word[lo:pos + 1], names)[-1]
                 assert int(b["step_targets"][i, j, pos]) - 1 == want
     assert np.array_equal(b["step_targets"][:, -1], b["targets"])
+
+
+def test_word_problem_linear_scan_holds_its_answer():
+    """The linear step applied to the answer gives the answer again (why a loop can run past K)."""
+    from loopformer.tasks.word_problem import linear_scan
+
+    task = get_task("word_problem", group="A5", length=6)
+    b = task.generate(30, seed=2)
+    words, answer = b["inputs"].astype(np.int64) - 1, b["targets"].astype(np.int64) - 1
+    again = answer.copy()
+    again[:, 1:] = task.table[answer[:, :-1], words[:, 1:]]
+    assert np.array_equal(again, answer) and linear_scan(words[:, :1], task.table).shape == (30, 1, 1)
 
 
 def test_word_problem_metrics_and_non_solvable_flag():
@@ -207,6 +220,7 @@ def test_same_bytes_for_any_worker_count(tmp_path, name, opts):
 
 @pytest.mark.parametrize("name,opts,needle", [
     ("word_problem", {"group": "Q8"}, "option group"),
+    ("word_problem", {"scan": "tree"}, "option scan"),
     ("word_problem", {"group": 5}, "option group"),
     ("word_problem", {"length": 0}, "option length"),
     ("pointer_chase", {"symbols": 8, "hops": 8}, "option hops"),

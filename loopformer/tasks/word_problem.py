@@ -8,9 +8,13 @@ O(log n) loops by a parallel prefix scan; a cyclic group (Zk) is the solvable co
 Groups (`group`): Sn and An for n = 3, 4, 5 (permutations of 0..n-1, composed left to right: (a·b)(x) = b(a(x)),
 so p_i is "apply g_1, then g_2, …"), and Zk for 2 <= k <= 256 (addition mod k).
 
-Intermediate states (per-loop targets, `task.loop_targets`): the levels of the Hillis–Steele scan, K = ⌈log2 n⌉
-of them — after level j position i holds the product of the 2^j elements ending at i (fewer at the start), and
-level K is the answer.
+Intermediate states (per-loop targets, `task.loop_targets`), option `scan`:
+    linear    (default) K = n - 1 steps; after step j position i holds the product of the j + 1 elements ending at
+              i (fewer at the start): one combination with the left neighbour per step, and the answer is a fixed
+              point of that step, so a loop that does not know its index can run past K and keep the answer
+    doubling  the Hillis–Steele scan, K = ⌈log2 n⌉ levels: after level j the product of the 2^j elements ending at
+              i; its step combines with the element 2^j to the left, a shift that changes with j (a loop must know
+              j: what timestep encoding offers)
 
 Layout (bidirectional, T = n):  inputs g_1 … g_n,  targets p_1 … p_n.  Splits are disjoint by a hash of the
 input row.
@@ -58,6 +62,24 @@ def prefix_products(words: np.ndarray, table: np.ndarray) -> np.ndarray:
     return out
 
 
+def linear_scan(words: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """[N, K, n] the left-to-right scan, K = n - 1 steps (at least 1): after step j position i holds the product of
+    g_{i-j} … g_i (from g_1 when i <= j), i.e. s_j[i] = s_{j-1}[i-1] · g_i — one combination with the left
+    neighbour per step, and a fixed point once the window reaches the start: the natural algorithm of a loop that
+    does not know its index."""
+    n = words.shape[1]
+    s = words.copy()
+    out = np.empty((words.shape[0], max(1, n - 1), n), dtype=words.dtype)
+    if n == 1:
+        out[:, 0] = s
+    for j in range(n - 1):
+        nxt = s.copy()
+        nxt[:, 1:] = table[s[:, :-1], words[:, 1:]]
+        s = nxt
+        out[:, j] = s
+    return out
+
+
 def scan_levels(words: np.ndarray, table: np.ndarray) -> np.ndarray:
     """[N, K, n] the Hillis–Steele scan, K = ⌈log2 n⌉ levels: level j holds at i the product of g_{i-2^j+1} … g_i."""
     n = words.shape[1]
@@ -74,12 +96,17 @@ def scan_levels(words: np.ndarray, table: np.ndarray) -> np.ndarray:
     return out
 
 
+SCANS = {"linear": linear_scan, "doubling": scan_levels}
+
+
 @dataclass
 class WordProblemTask(TokenTask):
     """Prefix products of a random word over a finite group."""
 
     group: str = "S5"
     length: int = 16          # n: elements per word (the knob)
+    scan: str = "linear"      # intermediate states: "linear" (n - 1 steps, one neighbour each) | "doubling"
+                              # (Hillis–Steele, ⌈log2 n⌉ levels: the shift 2^j changes with the step)
 
     name = "word_problem"
     causal = False
@@ -88,18 +115,21 @@ class WordProblemTask(TokenTask):
         if not isinstance(self.group, str):
             raise UserError(f"option group must be a group name such as S5, A5 or Z60, got {self.group!r}")
         check_range("length", self.length, 1, 4096)
+        if self.scan not in SCANS:
+            raise UserError(f"option scan must be one of {', '.join(SCANS)}, got {self.scan!r}")
         names, self.table = group_elements(self.group)
         self.order = len(names)
         self.vocab = Vocab(["<pad>"] + names)
         self.seq_len = self.length
-        self.steps = scan_levels(np.zeros((1, self.length), dtype=np.int64), self.table).shape[1]
+        self.states = SCANS[self.scan]
+        self.steps = self.states(np.zeros((1, self.length), dtype=np.int64), self.table).shape[1]
 
     def options(self) -> dict:
         return dataclass_options(self)
 
     def _draw(self, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
         words = rng.integers(0, self.order, size=(n, self.length))
-        levels = scan_levels(words, self.table) + 1                                       # [n,K,T] token ids
+        levels = self.states(words, self.table) + 1                                       # [n,K,T] token ids
         return {"inputs": (words + 1).astype(np.int32), "targets": levels[:, -1].astype(np.int32),
                 "step_targets": levels.astype(np.int32)}
 
