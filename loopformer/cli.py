@@ -1,7 +1,8 @@
 """The `loopformer` command.
 
 Sub-commands live next to the code they drive: each module in `COMMAND_MODULES` exposes `register(subparsers)`,
-which adds its sub-parser(s) and sets `func` (called with the parsed args; returns an exit code or None). A `UserError` anywhere prints one line and exits with status 2; so do a bad command line and a
+which adds its sub-parser(s) and sets `func` (called with the parsed args; returns an exit code or None). A
+`UserError` anywhere prints one line and exits with status 2; so do a bad command line and a
 failed file operation (disk full, read-only folder, missing file): `loopformer: error: ...`, never a traceback.
 """
 

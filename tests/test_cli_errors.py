@@ -6,7 +6,6 @@ import errno
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from loopformer.cli import main

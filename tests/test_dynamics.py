@@ -5,7 +5,6 @@ direct computations; per-group gradient norms against the global norm; the train
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

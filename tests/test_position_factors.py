@@ -89,7 +89,8 @@ def test_a_task_without_factors_is_refused(tmp_path, capsys):
         load_run_config(None, ["task.name=lcs", "task.position_factors=true", f"out_dir={tmp_path}"])
     with pytest.raises(UserError, match="no position factors"):
         load_run_config(None, ["task.name=icl", "task.position_factors=true", f"out_dir={tmp_path}"])
-    assert main(["train", str(Path(__file__).parents[1] / "configs/cpu/lcs.yaml"), "task.position_factors=true", f"out_dir={tmp_path / 'r'}"]) == 2
+    assert main(["train", str(Path(__file__).parents[1] / "configs/cpu/lcs.yaml"), "task.position_factors=true",
+                 f"out_dir={tmp_path / 'r'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("loopformer: error: ") == 1 and "no position factors" in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()

@@ -5,7 +5,6 @@ batch split), test-time voting mapped back through the symmetries, and exact res
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -16,7 +16,7 @@ from loopformer.cli import main
 from loopformer.errors import UserError
 from loopformer.model import io as ckpt_io
 from loopformer.train.config import load_run_config
-from loopformer.train.run import load_for_resume, read_metrics, read_results
+from loopformer.train.run import load_for_resume, read_results
 from loopformer.train.trainer import train
 
 TINY = ["task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=96",

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from loopformer.checksums import sha256_file

@@ -57,7 +57,8 @@ def test_word_problem_against_composition(group, order):
         assert [int(p) - 1 for p in batch["targets"][i]] == word_reference(group, word, names)
 
 
-@pytest.mark.parametrize("scan,steps,window", [("doubling", 4, lambda j: 2 ** (j + 1)), ("linear", 12, lambda j: j + 2)])
+@pytest.mark.parametrize("scan,steps,window", [("doubling", 4, lambda j: 2 ** (j + 1)),
+                                               ("linear", 12, lambda j: j + 2)])
 def test_word_problem_scan_states_are_window_products(scan, steps, window):
     task = get_task("word_problem", group="S4", length=13, scan=scan)
     assert task.steps == steps

@@ -5,7 +5,8 @@ f: R^{d×N} -> R^{d×N} (Sec. 3.2, Definitions 3.3-3.5):
 
     sequence    ω_f(δ)      = sup { ||f(X) - f(X')||            : ||X - X'|| <= δ }
     contextual  ω_f^cont(δ) = sup { ||f(X)_{:,n} - f(X')_{:,n}|| : ||X - X'|| <= δ, X_{:,n} = X'_{:,n} }
-    token       ω_f^tok(δ)  = sup { ||f(X)_{:,n} - f(X')_{:,n}|| : ||X_{:,n} - X'_{:,n}|| <= δ, X_{:,q} = X'_{:,q}, q ≠ n }
+    token       ω_f^tok(δ)  = sup { ||f(X)_{:,n} - f(X')_{:,n}|| :
+                                    ||X_{:,n} - X'_{:,n}|| <= δ, X_{:,q} = X'_{:,q}, q ≠ n }
 
 and App. D (with the authors' answer to reviewers) measures "continuity coefficients" of language models trained on
 a perturbed WikiText-103 (10 % of the tokens replaced, `loopformer.text.corpus.perturb_tokens`): perturb the input
@@ -485,5 +486,6 @@ def continuity_of_checkpoint(model, tokens: np.ndarray, vocab_size: int, cfg: Co
 
 
 __all__ = ["EmbeddingMap", "LoopedEmbeddingMap", "ContinuityConfig", "ContinuityReport", "Stat", "noise_ratios",
-           "substitution_ratios", "scale_free_ratios", "jacobian_norm", "theory_moduli", "measure_continuity", "sample_windows", "to_markdown", "loopwise_markdown", "plot",
+           "substitution_ratios", "scale_free_ratios", "jacobian_norm", "theory_moduli", "measure_continuity",
+           "sample_windows", "to_markdown", "loopwise_markdown", "plot",
            "write_json", "continuity_of_checkpoint", "perturb_tokens"]

@@ -85,9 +85,9 @@ def loop_dynamics(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
     inputs [B,T] ids or [B,T,d] reals; targets [B,T] class ids (`ignore_index` unsupervised) or reals with
     `weight` [B,T] (1 = supervised). Returns lists over t = 1..loops — "update" (mean over samples of the relative
     change of the residual stream), "loss" (cross-entropy per supervised token, or squared error), "token_accuracy"
-    (token tasks: the share of supervised tokens right) — and "settle": every sample's settle loop [B] (token tasks: the answer is
-    the argmax at its supervised positions; vector tasks: it has settled once all later read-outs are within
-    `settle_tol` · (1 + |final|) of the final one).
+    (token tasks: the share of supervised tokens right) — and "settle": every sample's settle loop [B] (token
+    tasks: the answer is the argmax at its supervised positions; vector tasks: it has settled once all later
+    read-outs are within `settle_tol` · (1 + |final|) of the final one).
     """
     was_training = model.training
     model.eval()

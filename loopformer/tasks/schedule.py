@@ -13,8 +13,9 @@ so no layer loses the information of either input and the states stay uniformly 
 The mixing across positions keeps the K layers from collapsing into one position-wise lookup (a chain of fixed maps
 on one symbol would compose into one map): after layer t a position depends on up to min(n, 2^t) inputs (t + 1 of
 them along the cycle when one layer repeats), so the answer needs K sequential steps. Each π_t is one cycle
-through all n positions: a permutation with short cycles would confine every position to its cycle's few inputs. A standard K-layer transformer can emulate one circuit layer per layer; a looped model
-must carry the step in its hidden state; a timestep-modulated one is told it (paper Sec. 4.2).
+through all n positions: a permutation with short cycles would confine every position to its cycle's few inputs.
+A standard K-layer transformer can emulate one circuit layer per layer; a looped model must carry the step in its
+hidden state; a timestep-modulated one is told it (paper Sec. 4.2).
 
 `period` P draws only P layers and repeats them in turn (P = 1: one layer applied K times). The mixing across
 positions still needs K sequential steps; a looped block can then learn the one layer without knowing t, which
@@ -75,7 +76,6 @@ def draw_circuit(seed: int, layers: int, width: int, alphabet: int, period: int 
     rng = np.random.default_rng([int(seed), 0xC1C])
     partners = np.empty((layers, width), dtype=np.int64)
     tables = np.empty((layers, alphabet, alphabet), dtype=np.int64)
-    q = np.arange(alphabet)
     for t in range(layers):
         order = rng.permutation(width)                   # π_t: one cycle through all positions, in this order
         partners[t, order] = np.roll(order, -1)

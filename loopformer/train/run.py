@@ -27,7 +27,7 @@ import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import OmegaConf
 

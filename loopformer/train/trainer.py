@@ -304,7 +304,7 @@ class Trainer:
                     if gated:   # a mean over this micro-batch: DDP averages it over processes
                         gate = unwrap(self.model).exit_gate                # the gate reads, never steers: detached
                         stops_, reads = ((gate(out.all_hidden.detach()), out.all_logits) if per_loop_gate  # [R,B,T(,C)]
-                                         else (gate(out.hidden.detach())[None], out.logits[None]))  # step's: [1,B,T(,C)]
+                                         else (gate(out.hidden.detach())[None], out.logits[None]))  # step's [1,...]
                         loss = loss + tc.exit_loss_weight / (len(micro) * N) * exit_loss(
                             tc, reads, stops_, mb["targets"], mb.get("weight"), cfg.model.causal)
                     if self.scaler is not None:
