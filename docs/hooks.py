@@ -1,0 +1,89 @@
+"""MkDocs hook: writes `reference/configs.md`, the reference of every config field, from the dataclasses themselves
+(names, types, defaults and the comment next to each field), so the page cannot drift from the code."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+import tokenize
+import typing
+from pathlib import Path
+
+SECTIONS = [("run", "loopformer.train.config", "RunConfig"), ("model", "loopformer.model.config", "ModelConfig"),
+            ("task", "loopformer.sources.base", "TaskConfig"), ("train", "loopformer.train.config", "TrainConfig"),
+            ("eval", "loopformer.train.config", "EvalConfig"), ("log", "loopformer.train.config", "LogConfig")]
+
+
+def field_comments(cls) -> dict[str, str]:
+    """{field: its comment} from the class source: the `# ...` on the field's line and the comment-only lines aligned
+    under it; a comment-only line at the fields' own indentation (a heading over a group of fields) goes to the
+    next field that has no comment of its own."""
+    out: dict[str, str] = {}
+    current, pending = None, ""
+    src = inspect.getsource(cls)
+    lines = src.splitlines()
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.NAME and tok.string in fields and tok.start[1] == 4 and current != tok.string:
+            if pending and tok.string not in out:
+                out[tok.string] = pending
+                pending = ""
+        if tok.type != tokenize.COMMENT:
+            continue
+        row = tok.start[0] - 1
+        code = lines[row][:tok.start[1]].strip()
+        text = tok.string.lstrip("#").strip()
+        if code:
+            name = code.split(":")[0].strip()
+            current = name if name in fields else None
+            if current:
+                out[current] = (out[current] + " — " if current in out else "") + text
+        elif tok.start[1] > 4 and current:                   # a continuation aligned under a field's comment
+            out[current] += " " + text
+        else:                                                # a heading over the next fields
+            current, pending = None, text
+    return out
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        return repr(value) if not dataclasses.is_dataclass(value) else "(section)"
+    return "(required)"
+
+
+def config_reference() -> str:
+    """The markdown page."""
+    import importlib
+
+    lines = ["# Config reference", "",
+             "Every field of a run config, generated from the dataclasses (`loopformer.train.config.RunConfig` and the "
+             "sections it holds). In YAML a field is `section: {field: value}`; on the command line a dotted "
+             "override `section.field=value`. Unknown keys and bad values are one-line errors naming the key.", ""]
+    for section, module, name in SECTIONS:
+        cls = getattr(importlib.import_module(module), name)
+        hints = typing.get_type_hints(cls)
+        notes = field_comments(cls)
+        title = "top level" if section == "run" else f"`{section}.*`"
+        doc = cls.__dict__.get("__doc__") or ""
+        doc = "" if doc.startswith(f"{name}(") else inspect.cleandoc(doc).split("\n\n")[0].replace("\n", " ")
+        lines += [f"## {title} — `{name}`", "", doc, "", "| field | type | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            if not f.init or dataclasses.is_dataclass(hints.get(f.name)):
+                continue                                               # a section: documented below
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            note = notes.get(f.name, "").replace("|", "\\|")
+            lines.append(f"| `{f.name}` | `{kind}` | `{_default(f)}` | {note} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def on_pre_build(config, **kwargs) -> None:
+    path = Path(config["docs_dir"]) / "reference" / "configs.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = config_reference()
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
