@@ -311,6 +311,7 @@ def test_loopwise_step_accuracy_scores_each_loop_against_its_state(tmp_path):
     """A model whose read-out after loop t is exactly layer t's state scores step_accuracy 1 at every loop (and
     accuracy 1 only from the last layer on): checked with a stand-in model that returns the reference states."""
     from loopformer.model.looped import LoopOutput
+    from loopformer.eval.evaluate import loop_metrics
     from loopformer.sources import TaskConfig, make_data
 
     data = make_data(TaskConfig(name="schedule", options={"layers": 3, "width": 5, "alphabet": 3}, n_train=10,
@@ -326,6 +327,6 @@ def test_loopwise_step_accuracy_scores_each_loop_against_its_state(tmp_path):
             logits = torch.stack([torch.nn.functional.one_hot(s, 4).float() for s in seq])      # [R,b,T,C]
             return LoopOutput(logits=logits[-1], hidden=logits[-1], all_logits=logits)
 
-    out = data.evaluate_loops(Oracle(), 4, True, 16, 0, torch.device("cpu"), torch.no_grad, False)
+    out = loop_metrics(Oracle(), data, 4, True, 16, 0, torch.device("cpu"), torch.no_grad, False)
     assert [m["step_accuracy"] for m in out] == [1.0, 1.0, 1.0, 1.0]
     assert [m["accuracy"] for m in out][:2] != [1.0, 1.0] and out[2]["accuracy"] == out[3]["accuracy"] == 1.0

@@ -116,6 +116,7 @@ def test_reference_predictors_are_scored_like_the_model():
     import torch
 
     from loopformer.model.looped import LoopOutput
+    from loopformer.eval.evaluate import loop_metrics
     from loopformer.sources import TaskConfig, make_data
 
     cfg = TaskConfig(name="icl", options={"function_class": "linear", "n_dims": 3}, n_test=64, points=9)
@@ -124,13 +125,13 @@ def test_reference_predictors_are_scored_like_the_model():
     assert set(refs) == {"zero", "least_squares", "knn"}
 
     class Zero(torch.nn.Module):
-        config = type("C", (), {"loops": 1})()
+        config = type("C", (), {"loops": 1, "out_dim": 1})()
 
         def forward(self, x, loops, return_all=False):
             z = torch.zeros(*x.shape[:2], 1)
             return LoopOutput(logits=z, hidden=z, all_logits=z[None].expand(loops, *z.shape))
 
-    got = data.evaluate_loops(Zero(), 1, False, 16, 0, torch.device("cpu"), torch.no_grad, False)[0]
+    got = loop_metrics(Zero(), data, 1, False, 16, 0, torch.device("cpu"), torch.no_grad, False)[0]
     assert got["mse"] == pytest.approx(refs["zero"]["mse"], rel=1e-5)
     assert got["mse_last"] == pytest.approx(refs["zero"]["mse_last"], rel=1e-5)
     assert refs["least_squares"]["mse_last"] < 1e-8 < refs["knn"]["mse_last"] < refs["zero"]["mse_last"] * 2

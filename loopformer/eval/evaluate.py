@@ -1,10 +1,12 @@
 """Evaluation on a task's test split, and loop-wise evaluation (paper Sec. 5, Table 2; the metric after each loop).
 
 One forward pass with `return_all=True` and R_max loops gives the read-out after every loop t = 1..R_max, so the
-metric at the trained loop count r and at every other t — also beyond r (extrapolation) — comes from one run. The
-metrics themselves are the data source's (`DataSource.evaluate_loops` in `loopformer.sources`): the task's metrics
-of the argmax for token tasks, loss / perplexity / next-token accuracy for text, squared error for in-context
-learning.
+metric at the trained loop count r and at every other t — also beyond r (extrapolation) — comes from one run.
+Every forward-and-score loop of the library lives in this package: `loop_metrics` here (fixed depth, loop-wise),
+`voted_metrics` (test-time voting) and `step_halted_metrics` (halting across supervision steps) below, adaptive
+depth in `loopformer.eval.halting`. The data source only answers data questions and scores read-outs
+(`DataSource.eval_batches` / `score` / `summarize`: the task's metrics of the argmax for token tasks, loss /
+perplexity / next-token accuracy for text, squared error for in-context learning).
 
 Deep supervision (`ModelConfig.supervision_steps` N of r loops each, `loopformer.model.recursion`): at inference
 N steps are N·r loops, so a model trained that way is evaluated at N·r loops and the curve over steps is the
@@ -20,12 +22,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
-from loopformer.model.io import unwrap
+from loopformer.model.halting import row_mean
+from loopformer.model.looped import unwrap
 from loopformer.model.memory import MAX_LOOPS, check_loops
+from loopformer.model.recursion import step_exits
 from loopformer.sources import DataSource
+from loopformer.sources.base import eval_rows
 
 
 
@@ -39,6 +46,77 @@ def check_eval_args(loops: Optional[int] = None, max_loops: Optional[int] = None
         raise UserError(f"batch_size must be >= 1 (got {batch_size})")
     if limit < 0:
         raise UserError(f"the number of test rows must be >= 0 (0: all; got {limit})")
+
+
+def read_outs(model: torch.nn.Module, x: torch.Tensor, loops: int, all_loops: bool,
+              autocast: Callable[[], Any]) -> torch.Tensor:
+    """The read-out after every loop [R,B,T,C] (`all_loops`), or after the last [1,B,T,C]."""
+    with autocast():
+        out = model(x, loops=loops, return_all=all_loops)
+    return out.all_logits if all_loops else out.logits[None]
+
+
+def loop_metrics(model: torch.nn.Module, data: DataSource, loops: int, all_loops: bool, batch_size: int, limit: int,
+                 device: torch.device, autocast: Callable[[], Any], progress: bool) -> list[dict[str, float]]:
+    """The metrics of `model` (in eval mode, no gradients) on the test split after every loop 1..`loops`
+    (`all_loops`), or after the last only (a list of one): the source's evaluation batches through the model, each
+    batch's read-outs scored by the source."""
+    n_read = loops if all_loops else 1
+    parts = []
+    for batch in tqdm(list(data.eval_batches(batch_size, limit, n_read, model.config.out_dim)), desc="eval",
+                      disable=not progress, leave=False):
+        x = data.as_tensors(batch, device)["inputs"]
+        parts.append(data.score(read_outs(model, x, loops, all_loops, autocast), batch))
+    return data.summarize(parts, limit, model.config.loops)
+
+
+def voted_metrics(model: torch.nn.Module, data: DataSource, loops: int, copies: int, batch_size: int, limit: int,
+                  device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
+    """Test-time augmentation: the metrics after `loops` loops of the per-cell vote over the test rows and `copies`
+    symmetric copies of each (token tasks that define symmetries: `TokenTask.views` / `unview`)."""
+    task = getattr(data, "task", None)
+    if data.kind != "tokens":
+        raise UserError(f"test-time voting needs a token task with symmetries (this is {data.kind} data)")
+    if not task.votes:
+        raise UserError(f"test-time voting: the {task.name} task defines no symmetries")
+    preds: list[np.ndarray] = []
+    rows: list[dict[str, np.ndarray]] = []
+    for batch in data.test_batches(max(1, batch_size // (1 + copies)), limit):
+        views, sym = task.views(batch["inputs"], copies, seed=len(rows))                   # [1+K,b,T]
+        K1, b, T = views.shape
+        x = torch.as_tensor(np.asarray(views.reshape(K1 * b, T), dtype=np.int64), device=device)
+        logits = read_outs(model, x, loops, False, autocast)[0].float()                   # [(1+K)·b,T,C]
+        prob, arg = logits.softmax(-1).max(-1)
+        pred = arg.cpu().numpy().reshape(K1, b, T)
+        preds.append(task.unview(pred, sym, prob.cpu().numpy().reshape(K1, b, T)))
+        rows.append(batch)
+    full = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    return data.metrics(np.concatenate(preds), full)
+
+
+def step_halted_metrics(model: torch.nn.Module, data: DataSource, loops: int, steps: int, threshold: float,
+                        batch_size: int, limit: int, device: torch.device, autocast: Callable[[], Any]
+                        ) -> dict[str, float]:
+    """Halting across supervision steps: the metrics when every test row stops after the first of `steps` steps of
+    `loops` loops whose exit gate says stop (`loopformer.model.recursion.step_exits`), and the mean number of steps
+    run ("steps"). Token tasks."""
+    if data.kind != "tokens":
+        raise UserError(f"halting across supervision steps is measured on token tasks (this is {data.kind} data)")
+    preds: list[np.ndarray] = []
+    ran: list[np.ndarray] = []
+    full = data.test_rows(limit)
+    step = eval_rows(batch_size, loops * steps, full["inputs"].shape[1], model.config.out_dim)
+    for i in range(0, len(full["inputs"]), step):
+        x = torch.as_tensor(np.asarray(full["inputs"][i:i + step], dtype=np.int64), device=device)
+        with autocast():
+            out = model(x, loops=loops * steps, return_all=True)
+        at = torch.arange(1, steps + 1, device=device) * loops - 1                        # each step's last loop
+        stop = row_mean(out.all_stop_logits[at], x != data.task.pad_id)                   # [N,b]
+        exit_ = step_exits(stop, threshold)                                                # [b]
+        logits = out.all_logits[at][exit_, torch.arange(len(x), device=device)]           # [b,T,C]
+        preds.append(logits.argmax(-1).cpu().numpy())
+        ran.append(exit_.cpu().numpy() + 1)
+    return {**data.metrics(np.concatenate(preds), full), "steps": float(np.concatenate(ran).mean())}
 
 
 @torch.no_grad()
@@ -68,10 +146,10 @@ def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] =
     was_training = raw.training
     raw.eval()
     try:
-        per_loop = data.evaluate_loops(raw, R, loopwise and R > 1, batch_size, limit, device, autocast, progress)
-        voted = data.evaluate_votes(raw, r, votes, batch_size, limit, device, autocast) if votes else {}
-        halted = data.evaluate_halting(raw, cfg.loops, cfg.supervision_steps, step_halt, batch_size, limit, device,
-                                       autocast) if (cfg.exit_gate and cfg.supervision_steps > 1) else {}
+        per_loop = loop_metrics(raw, data, R, loopwise and R > 1, batch_size, limit, device, autocast, progress)
+        voted = voted_metrics(raw, data, r, votes, batch_size, limit, device, autocast) if votes else {}
+        halted = step_halted_metrics(raw, data, cfg.loops, cfg.supervision_steps, step_halt, batch_size, limit,
+                                     device, autocast) if (cfg.exit_gate and cfg.supervision_steps > 1) else {}
     finally:
         raw.train(was_training)
     # per_loop: a list of metric dicts, loop 1..R (only loop R when not loop-wise)
@@ -110,4 +188,5 @@ def format_results(metric: str, metrics: dict, loopwise: list[dict], trained: in
     return "\n".join(lines)
 
 
-__all__ = ["evaluate", "headline", "format_results", "check_eval_args", "MAX_LOOPS"]
+__all__ = ["evaluate", "loop_metrics", "voted_metrics", "step_halted_metrics", "read_outs", "headline",
+           "format_results", "check_eval_args", "MAX_LOOPS"]

@@ -17,13 +17,15 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import check_eval_args, evaluate
 from loopformer.fileio import write_figure
 from loopformer.model.halting import CRITERIA, HaltRule
-from loopformer.model.io import unwrap
+from loopformer.model.looped import unwrap
 from loopformer.sources import DataSource
+from loopformer.tasks import IGNORE
 
 SWEEP_THRESHOLDS: dict[str, tuple[float, ...]] = {   # from stopping early to stopping late
     "latent": (0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002),
@@ -49,6 +51,32 @@ def _timed(fn, clock: dict[str, float], name: str, device: torch.device):
         clock[name] += time.perf_counter() - t0
         return out
     return run
+
+
+def side_by_side(forwards: dict[str, Any], data: DataSource, batch_size: int, limit: int, device: torch.device,
+                 progress: bool) -> dict[str, tuple[dict[str, float], Optional[np.ndarray]]]:
+    """For each named forward `f(x, positions) -> LoopOutput` (x the inputs of a test batch, positions [b,T] the
+    supervised positions), its metrics on the test split and the exit loop of every counted unit (a row, or a
+    supervised token when `exit_loops` is per token; None without exits). The forwards take turns on every batch,
+    so their wall times (measured by the caller) see the same machine state. Token tasks."""
+    if data.kind != "tokens":
+        raise UserError(f"evaluation with adaptive depth supports token tasks, not {data.kind} data")
+    preds: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
+    exits: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
+    full = data.test_rows(limit)
+    n = len(full["inputs"])
+    for i in tqdm(range(0, n, batch_size), desc="eval", disable=not progress, leave=False):
+        x = torch.as_tensor(np.asarray(full["inputs"][i:i + batch_size], dtype=np.int64), device=device)
+        y = torch.as_tensor(np.asarray(full["targets"][i:i + batch_size], dtype=np.int64), device=device)
+        supervised = y != IGNORE                                                           # [b,T]
+        for name, forward in forwards.items():
+            out = forward(x, supervised)
+            preds[name].append(out.logits.argmax(-1).cpu().numpy())                       # [b,T]
+            if out.exit_loops is not None:
+                e = out.exit_loops if out.exit_loops.dim() == 1 else out.exit_loops[supervised]
+                exits[name].append(e.cpu().numpy())
+    return {k: (data.metrics(np.concatenate(preds[k]), full), np.concatenate(exits[k]) if exits[k] else None)
+            for k in forwards}
 
 
 @torch.no_grad()
@@ -82,7 +110,7 @@ def evaluate_halting(model: torch.nn.Module, data: DataSource, rules: Sequence[H
         first = next(data.test_batches(min(batch_size, 8), 8))          # warm-up: first-call costs are not timed
         warm = torch.as_tensor(np.asarray(first["inputs"], dtype=np.int64), device=device)
         raw(warm, loops=R)
-        res = data.evaluate_with(forwards, batch_size, limit, device, progress)
+        res = side_by_side(forwards, data, batch_size, limit, device, progress)
     finally:
         raw.train(was_training)
     out_rules = []
@@ -168,5 +196,5 @@ def sweep_plot(res: dict[str, Any], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["evaluate_halting", "halting_sweep", "sweep_rules", "best_rule", "format_halting", "sweep_plot",
-           "SWEEP_THRESHOLDS"]
+__all__ = ["evaluate_halting", "side_by_side", "halting_sweep", "sweep_rules", "best_rule", "format_halting",
+           "sweep_plot", "SWEEP_THRESHOLDS"]

@@ -36,24 +36,13 @@ from loopformer.configio import from_dict, to_dict
 from loopformer.errors import UserError
 from loopformer.fileio import new_folder
 from loopformer.model.config import ModelConfig
-from loopformer.model.looped import LoopedTransformer
+from loopformer.model.looped import LoopedTransformer, unwrap
 from loopformer.model.memory import check_fits, param_count
 from loopformer.version import __version__
 
 WEIGHTS, CONFIG, STATE, EMA_WEIGHTS = "model.safetensors", "config.json", "training_state.pt", "ema.safetensors"
 RUN_CHECKPOINT = "checkpoint"   # the checkpoint folder's name inside a run folder (`loopformer.train.run`)
 RESERVED_KEYS = ("run", "task", "loopformer_version", "source")   # config.json keys that are not model fields
-
-
-def unwrap(model: torch.nn.Module) -> LoopedTransformer:
-    """The raw module inside DDP / FSDP / torch.compile wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-            model = model.module
-        else:
-            return model  # type: ignore[return-value]
 
 
 def _hidden(dest: Path) -> list[Path]:
@@ -228,11 +217,6 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", ema: bool 
     model = LoopedTransformer(cfg)
     load_weights(model, path, device, ema=ema)
     return model.to(device).eval()
-
-
-def has_ema(path: str | os.PathLike) -> bool:
-    """Whether the checkpoint folder `path` holds averaged weights."""
-    return (Path(path) / EMA_WEIGHTS).is_file()
 
 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | torch.device = "cpu",

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.model.diagnostics import is_timestep_param
-from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, latent_change, stops, update_streak
+from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, stops, update_streak
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import KVCache, RMSNorm, RunningKV, TimestepEmbedder, make_layer
 
@@ -42,6 +42,17 @@ class LoopOutput:
     exit_loops: Optional[torch.Tensor] = None       # with a halting rule: the loop each row [B] (per token: [B,T])
                                                     # stopped after, 1..R
     all_stop_logits: Optional[torch.Tensor] = None  # [R,B,T] ... after every loop (with return_all)
+
+
+def unwrap(model: torch.nn.Module) -> "LoopedTransformer":
+    """The raw module inside DDP / FSDP / torch.compile wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+            model = model.module
+        else:
+            return model  # type: ignore[return-value]
 
 
 class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pretrained / push_to_hub
@@ -129,16 +140,14 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *, loops: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
                 positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
-                return_all: bool = False, halt_tol: Optional[float] = None, halt: Optional[HaltRule | str] = None,
+                return_all: bool = False, halt: Optional[HaltRule | str] = None,
                 halt_positions: Optional[torch.Tensor] = None, per_token: Optional[bool] = None,
                 state: Optional[torch.Tensor] = None, loop_offset: int = 0) -> LoopOutput:
         """Run L1, then the block `loops` times, then L2.
 
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
         S = cached + T.  cache: from `new_cache` (generation; each loop reads its own slot).
-        return_all: also return every loop's hidden state and read-out.  halt_tol: stop looping (inference) once
-        every sequence's hidden state changes by less than this relative amount in one loop (the whole batch at
-        once; `halt="latent:..."` stops each row by itself).
+        return_all: also return every loop's hidden state and read-out.
         halt: adaptive depth per row, or per token (`per_token`, default for causal models), by a `HaltRule` (or its
         text, e.g. "kl:1e-3"): see `halting_forward`; halt_positions [B,T] bool: the positions a row's criterion
         is taken over (default: every real token).
@@ -152,7 +161,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             return self.halting_forward(x, halt, loops=loops, attn_mask=attn_mask, positions=positions, cache=cache,
                                         halt_positions=halt_positions, per_token=per_token)
         cfg = self.config
-        R = self._check_call(x, loops, cache, halt_tol)
+        R = self._check_call(x, loops, cache)
         past = cache.length if cache is not None else 0
         mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
@@ -160,25 +169,21 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         grad = torch.is_grad_enabled()
         grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
         use_ckpt = cfg.checkpoint and grad and cache is None
-        h, states, ran = (e if state is None else state), [], R
+        h, states = (e if state is None else state), []
         for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
             if (t > 0 or state is not None) and cfg.input_injection:
                 h = h + e
             mods_t = None if mods is None else mods[t]
             with torch.set_grad_enabled(grad and t >= grad_from):
                 if use_ckpt and t >= grad_from:
-                    h_new = checkpoint(self._block, h, mods_t, mask, None, t, use_reentrant=False)
+                    h = checkpoint(self._block, h, mods_t, mask, None, t, use_reentrant=False)
                 else:
-                    h_new = self._block(h, mods_t, mask, cache, t)
-            h_prev, h = h, h_new
+                    h = self._block(h, mods_t, mask, cache, t)
             if return_all:
                 states.append(h)
-            if halt_tol is not None and t > 0 and self._settled(h_prev, h, halt_tol):
-                ran = t + 1
-                break
         if cache is not None:
             cache.length += x.shape[1]
-        return self._read_out(h, states if return_all else None, attn_mask, ran)         # L2
+        return self._read_out(h, states if return_all else None, attn_mask, R)           # L2
 
     @torch.no_grad()
     def halting_forward(self, x: torch.Tensor, halt: HaltRule | str, *, loops: Optional[int] = None,
@@ -205,7 +210,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         if cache is not None and not per_token:
             raise UserError("halting with a key/value cache is per token (per_token=True)")
         R = loops if loops is not None else (cache.loops if cache is not None else (rule.max_loops or cfg.loops))
-        R = self._check_call(x, R, cache, None)
+        R = self._check_call(x, R, cache)
         bound = min(rule.bound(R), R)
         B, T = x.shape[:2]
         if per_token and cache is None:   # a temporary cache holds the frozen keys/values of stopped tokens
@@ -283,8 +288,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return mask[run]
 
     # ------------------------------------------------------------------ forward's parts
-    def _check_call(self, x: torch.Tensor, loops: Optional[int], cache: Optional[KVCache],
-                    halt_tol: Optional[float]) -> int:
+    def _check_call(self, x: torch.Tensor, loops: Optional[int], cache: Optional[KVCache]) -> int:
         """The loop count R of a call, after checking the call's arguments against each other and the model."""
         cfg = self.config
         R = cfg.loops if loops is None else int(loops)
@@ -296,8 +300,6 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         if cache is not None:
             if cache.loops != R:
                 raise UserError(f"this cache was made for {cache.loops} loops, not {R}")
-            if halt_tol is not None:
-                raise UserError("halt_tol cannot be combined with a key/value cache")
         return R
 
     def _positions(self, x: torch.Tensor, positions: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
@@ -344,11 +346,6 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         for i, blk in enumerate(self.blocks):
             h = blk(h, None if mods_t is None else mods_t[i], mask, cache, t * k + i)
         return h
-
-    @staticmethod
-    def _settled(h_prev: torch.Tensor, h: torch.Tensor, tol: float) -> bool:
-        """Whether every sequence's hidden state changed by less than `tol` (relative) in the last loop."""
-        return bool((latent_change(h_prev, h) < tol).all())
 
     def _read_out(self, h: torch.Tensor, states: Optional[list[torch.Tensor]], attn_mask: Optional[torch.Tensor],
                   ran: int) -> LoopOutput:

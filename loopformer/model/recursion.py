@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from loopformer.model.io import unwrap
+from loopformer.model.looped import unwrap
 from loopformer.model.looped import LoopOutput
 
 

@@ -10,9 +10,10 @@ A data source is one kind of task (token task, vector task, text corpus) seen by
                         exactly the rows of 1 process with batch B
     fetch(keys, step)   those rows as tensors
     test_batches(B, n)  the test split (its first n rows; 0: all) in batches of numpy arrays
-    evaluate_loops(...) the metrics after every loop (or after the last) on the test split
-    evaluate_with(...)  the metrics of one or more forward functions (e.g. fixed depth and adaptive depth), run
-                        side by side on every test batch, with the loops each forward's rows used
+    eval_batches(...)   the same in the batches evaluation runs (rows per forward bounded by the read-outs' size)
+    score(outs, batch)  a batch's share of the metrics from the model's read-outs [R,b,T,C] (the scoring hook:
+                        `loopformer.eval` runs the model, a source never does)
+    summarize(parts)    the metrics after each read-out from the batches' scores
     references()        reference predictors' metrics on the test split (e.g. least squares for regression)
     describe()          what checkpoints and results record under "task"
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -125,33 +126,20 @@ class DataSource:
         return {"inputs": torch.as_tensor(np.asarray(batch["inputs"], dtype=np.int64), device=device),
                 "targets": torch.as_tensor(np.asarray(batch["targets"], dtype=np.int64), device=device)}
 
-    def evaluate_loops(self, model: torch.nn.Module, loops: int, all_loops: bool, batch_size: int, limit: int,
-                       device: torch.device, autocast: Callable[[], Any], progress: bool) -> list[dict[str, float]]:
-        """The metrics of `model` (in eval mode, no gradients) on the test split after every loop 1..`loops`
-        (`all_loops`), or after the last only (a list of one)."""
+    def eval_batches(self, batch_size: int, limit: int, read_outs: int, out_dim: int
+                     ) -> Iterator[dict[str, np.ndarray]]:
+        """The test split (its first `limit` rows) in the batches evaluation runs through the model: each one forward
+        keeping `read_outs` read-outs of `out_dim` outputs (default: `test_batches(batch_size, limit)`)."""
+        return self.test_batches(batch_size, limit)
+
+    def score(self, read_outs: torch.Tensor, batch: dict[str, np.ndarray]) -> Any:
+        """One evaluation batch's share of the metrics, from the model's read-outs [R,b,T,C] on it (R = 1: the last
+        loop only). Evaluation (`loopformer.eval`) runs the model; the source only scores."""
         raise NotImplementedError
 
-    def evaluate_with(self, forwards: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]], batch_size: int,
-                      limit: int, device: torch.device, progress: bool
-                      ) -> dict[str, tuple[dict[str, float], Optional[np.ndarray]]]:
-        """For each named forward `f(x, positions) -> LoopOutput` (x the inputs of a test batch, positions [b,T] the
-        supervised positions), its metrics on the test split and the exit loop of every counted unit (a row, or a
-        supervised token when `exit_loops` is per token; None without exits). The forwards take turns on every
-        batch, so their wall times (measured by the caller) see the same machine state."""
-        raise UserError(f"evaluation with adaptive depth supports token tasks, not {self.kind} data")
-
-    def evaluate_votes(self, model: torch.nn.Module, loops: int, copies: int, batch_size: int, limit: int,
-                       device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
-        """Test-time augmentation: the metrics after `loops` loops of the per-cell vote over the test rows and
-        `copies` symmetric copies of each (tasks that define symmetries)."""
-        raise UserError(f"test-time voting needs a token task with symmetries (this is {self.kind} data)")
-
-    def evaluate_halting(self, model: torch.nn.Module, loops: int, steps: int, threshold: float, batch_size: int,
-                         limit: int, device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
-        """Halting across supervision steps: the metrics when every test row stops after the first of `steps` steps
-        of `loops` loops whose exit gate says stop (`loopformer.model.recursion.step_exits`), and the mean number
-        of steps run ("steps")."""
-        raise UserError(f"halting across supervision steps is measured on token tasks (this is {self.kind} data)")
+    def summarize(self, parts: list, limit: int, trained_loops: int) -> list[dict[str, float]]:
+        """The metrics after each read-out, from every batch's `score` (in order)."""
+        raise NotImplementedError
 
     def references(self) -> dict[str, dict[str, float]]:
         """Reference predictors scored on the test split like the model ({name: metrics}; none by default):
@@ -212,13 +200,4 @@ def eval_rows(requested: int, loops: int, T: int, C: int, budget: float = 1.5e8)
     return int(max(1, min(requested, budget // max(1, loops * T * C))))
 
 
-def read_outs(model: torch.nn.Module, x: torch.Tensor, loops: int, all_loops: bool,
-              autocast: Callable[[], Any]) -> torch.Tensor:
-    """The read-out after every loop [R,B,T,C] (`all_loops`), or after the last [1,B,T,C]."""
-    with autocast():
-        out = model(x, loops=loops, return_all=all_loops)
-    return out.all_logits if all_loops else out.logits[None]
-
-
-__all__ = ["TaskConfig", "DataSource", "check_dir", "epoch_order", "stream_indices", "plain", "eval_rows",
-           "read_outs"]
+__all__ = ["TaskConfig", "DataSource", "check_dir", "epoch_order", "stream_indices", "plain", "eval_rows"]

@@ -14,10 +14,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
-from loopformer.sources.base import DataSource, TaskConfig, check_dir, eval_rows, read_outs
+from loopformer.sources.base import DataSource, TaskConfig, check_dir, eval_rows
 from loopformer.text.dataset import RandomWindows, TokenCorpus
 
 NAME = "text"
@@ -91,25 +90,31 @@ class TextData(DataSource):
         return {"eval_split": self.eval_split, "windows": n, "windows_in_split": total,
                 "tokens_in_split": max(0, len(toks) - 1), "whole_split": whole, "ppl_over": over}
 
-    def evaluate_loops(self, model, loops, all_loops, batch_size, limit, device, autocast, progress
-                       ) -> list[dict[str, float]]:
-        n_loops = loops if all_loops else 1
-        nll = np.zeros(n_loops)
-        correct = np.zeros(n_loops)
-        count = 0
-        C = model.config.out_dim
-        for batch in tqdm(list(self.test_batches(batch_size, limit)), desc="eval", disable=not progress,
-                          leave=False):
+    def eval_batches(self, batch_size: int, limit: int, read_outs: int, out_dim: int
+                     ) -> Iterator[dict[str, np.ndarray]]:
+        for batch in self.test_batches(batch_size, limit):
             T = batch["inputs"].shape[1]
-            step = eval_rows(batch_size, n_loops, T, C)
+            step = eval_rows(batch_size, read_outs, T, out_dim)
             for i in range(0, len(batch["inputs"]), step):
-                x = torch.as_tensor(batch["inputs"][i:i + step], device=device)
-                y = torch.as_tensor(batch["targets"][i:i + step], device=device)
-                logits = read_outs(model, x, loops, all_loops, autocast).float()              # [R,b,T,V]
-                for t in range(n_loops):
-                    nll[t] += F.cross_entropy(logits[t].reshape(-1, C), y.reshape(-1), reduction="sum").item()
-                    correct[t] += (logits[t].argmax(-1) == y).sum().item()
-                count += y.numel()
+                yield {k: v[i:i + step] for k, v in batch.items()}
+
+    def score(self, read_outs: torch.Tensor, batch: dict[str, np.ndarray]) -> tuple[list, list, int]:
+        logits = read_outs.float()                                                        # [R,b,T,V]
+        C = logits.shape[-1]
+        y = torch.as_tensor(batch["targets"], device=logits.device)
+        nll = [F.cross_entropy(logits[t].reshape(-1, C), y.reshape(-1), reduction="sum").item()
+               for t in range(logits.shape[0])]
+        correct = [(logits[t].argmax(-1) == y).sum().item() for t in range(logits.shape[0])]
+        return nll, correct, y.numel()
+
+    def summarize(self, parts: list, limit: int, trained_loops: int) -> list[dict[str, float]]:
+        n_loops = len(parts[0][0])
+        nll, correct, count = np.zeros(n_loops), np.zeros(n_loops), 0
+        for p_nll, p_correct, p_count in parts:
+            for t in range(n_loops):
+                nll[t] += p_nll[t]
+                correct[t] += p_correct[t]
+            count += p_count
         scope = self.eval_scope(limit)   # the windows evaluated (a prefix of the split unless whole_split)
         out = []
         for t in range(n_loops):

@@ -1,12 +1,12 @@
 """Token tasks (edit distance, LCS, Sudoku, Countdown and any task registered in `loopformer.tasks.TASKS`; paper
 Sec. 5.1.1): fixed-length rows `inputs` / `targets` [N,T] generated in memory from the config or read from a
 prepared data folder (`loopformer.data`), visited in epochs, each a fresh permutation `default_rng([seed, epoch])`.
-Evaluation: argmax predictions [R,N,T] → the task's metrics per loop (headline: exact-match 'accuracy'); for tasks
+Scoring: argmax predictions [R,N,T] → the task's metrics per loop (headline: exact-match 'accuracy'); for tasks
 with intermediate states also `step_accuracy`, loop t against the state after step j(t) it is trained on with
-`task.loop_targets` (`loopformer.tasks.common.loop_steps`; past the trained r, the answer).
+`task.loop_targets` (`loopformer.tasks.common.loop_steps`; past the trained r, the answer). `test_rows` and
+`metrics` serve evaluation's other loops (adaptive depth, voting, halting across steps: `loopformer.eval`).
 Tasks with symmetries (Sudoku): `augment` draws training rows under random symmetries, a pure function of
-(seed, step, row key), so any process count and a resumed run see the same bytes; `evaluate_votes` predicts
-symmetric copies of every test row, maps them back and votes per position.
+(seed, step, row key), so any process count and a resumed run see the same bytes.
 """
 
 from __future__ import annotations
@@ -15,15 +15,11 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from loopformer.data.dataset import open_dataset, read_manifest
 from loopformer.errors import UserError
-from loopformer.model.halting import row_mean
-from loopformer.model.recursion import step_exits
-from loopformer.sources.base import (DataSource, TaskConfig, check_dir, eval_rows, plain, read_outs,
-                                     stream_indices)
-from loopformer.tasks import IGNORE, TASKS, TokenTask, get_task
+from loopformer.sources.base import DataSource, TaskConfig, check_dir, eval_rows, plain, stream_indices
+from loopformer.tasks import TASKS, TokenTask, get_task
 from loopformer.tasks.common import exact_match, loop_steps
 
 
@@ -142,84 +138,28 @@ class TokenData(DataSource):
     def metrics(self, pred: np.ndarray, batch: dict[str, np.ndarray]) -> dict[str, float]:
         return {k: float(v) for k, v in self.task.metrics(pred, batch).items()}
 
-    def evaluate_loops(self, model, loops, all_loops, batch_size, limit, device, autocast, progress
-                       ) -> list[dict[str, float]]:
-        preds: list[np.ndarray] = []
-        rows: list[dict[str, np.ndarray]] = []
-        C = model.config.out_dim
-        for batch in tqdm(list(self.test_batches(10 ** 9, limit)), desc="eval", disable=not progress, leave=False):
-            T = batch["inputs"].shape[1]
-            step = eval_rows(batch_size, loops if all_loops else 1, T, C)
-            for i in range(0, len(batch["inputs"]), step):
-                x = torch.as_tensor(np.asarray(batch["inputs"][i:i + step], dtype=np.int64), device=device)
-                logits = read_outs(model, x, loops, all_loops, autocast)
-                preds.append(logits.argmax(-1).cpu().numpy())                             # [R,b,T]
-            rows.append(batch)
-        pred = np.concatenate(preds, axis=1)                                              # [R,N,T]
-        full = {k: np.concatenate([b[k] for b in rows]) for k in rows[0]}
-        if not all_loops:
-            return [self.metrics(pred[0], full)]
+    def eval_batches(self, batch_size: int, limit: int, read_outs: int, out_dim: int
+                     ) -> Iterator[dict[str, np.ndarray]]:
+        rows = self.test_rows(limit)
+        n, T = rows["inputs"].shape
+        step = eval_rows(batch_size, read_outs, T, out_dim)
+        for i in range(0, n, step):
+            yield {k: v[i:i + step] for k, v in rows.items()}
+
+    def score(self, read_outs: torch.Tensor, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:
+        return read_outs.argmax(-1).cpu().numpy(), batch                                   # [R,b,T] predictions
+
+    def summarize(self, parts: list, limit: int, trained_loops: int) -> list[dict[str, float]]:
+        pred = np.concatenate([p for p, _ in parts], axis=1)                               # [R,N,T]
+        full = {k: np.concatenate([b[k] for _, b in parts]) for k in parts[0][1]}
         out = [self.metrics(pred[t], full) for t in range(pred.shape[0])]
-        if "step_targets" in full:    # tasks with intermediate states: loop t against the state it is trained on
+        if "step_targets" in full and len(out) > 1:   # intermediate states: loop t against the state it learns
             steps = full["step_targets"]                                                  # [N,K,T]
-            j = loop_steps(model.config.loops, steps.shape[1])                           # [r]: 1..K
+            j = loop_steps(trained_loops, steps.shape[1])                                # [r]: 1..K
             for t, m in enumerate(out):
                 state = steps[:, (j[t] if t < len(j) else j[-1]) - 1]                     # [N,T]
                 m["step_accuracy"] = float(exact_match(pred[t], state).mean())
         return out
-
-    def evaluate_with(self, forwards, batch_size, limit, device, progress):
-        preds: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
-        exits: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
-        full = self.test_rows(limit)
-        n = len(full["inputs"])
-        for i in tqdm(range(0, n, batch_size), desc="eval", disable=not progress, leave=False):
-            x = torch.as_tensor(np.asarray(full["inputs"][i:i + batch_size], dtype=np.int64), device=device)
-            y = torch.as_tensor(np.asarray(full["targets"][i:i + batch_size], dtype=np.int64), device=device)
-            supervised = y != IGNORE                                                       # [b,T]
-            for name, forward in forwards.items():
-                out = forward(x, supervised)
-                preds[name].append(out.logits.argmax(-1).cpu().numpy())                       # [b,T]
-                if out.exit_loops is not None:
-                    e = out.exit_loops if out.exit_loops.dim() == 1 else out.exit_loops[supervised]
-                    exits[name].append(e.cpu().numpy())
-        return {k: (self.metrics(np.concatenate(preds[k]), full), np.concatenate(exits[k]) if exits[k] else None)
-                for k in forwards}
-
-    def evaluate_votes(self, model, loops, copies, batch_size, limit, device, autocast) -> dict[str, float]:
-        if not self.task.votes:
-            raise UserError(f"test-time voting: the {self.task.name} task defines no symmetries")
-        preds: list[np.ndarray] = []
-        rows: list[dict[str, np.ndarray]] = []
-        for batch in self.test_batches(max(1, batch_size // (1 + copies)), limit):
-            views, sym = self.task.views(batch["inputs"], copies, seed=len(rows))          # [1+K,b,T]
-            K1, b, T = views.shape
-            x = torch.as_tensor(np.asarray(views.reshape(K1 * b, T), dtype=np.int64), device=device)
-            logits = read_outs(model, x, loops, False, autocast)[0].float()               # [(1+K)·b,T,C]
-            prob, arg = logits.softmax(-1).max(-1)
-            pred = arg.cpu().numpy().reshape(K1, b, T)
-            preds.append(self.task.unview(pred, sym, prob.cpu().numpy().reshape(K1, b, T)))
-            rows.append(batch)
-        full = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-        return self.metrics(np.concatenate(preds), full)
-
-    def evaluate_halting(self, model, loops, steps, threshold, batch_size, limit, device, autocast
-                         ) -> dict[str, float]:
-        preds: list[np.ndarray] = []
-        ran: list[np.ndarray] = []
-        full = self.test_rows(limit)
-        step = eval_rows(batch_size, loops * steps, full["inputs"].shape[1], model.config.out_dim)
-        for i in range(0, len(full["inputs"]), step):
-            x = torch.as_tensor(np.asarray(full["inputs"][i:i + step], dtype=np.int64), device=device)
-            with autocast():
-                out = model(x, loops=loops * steps, return_all=True)
-            at = torch.arange(1, steps + 1, device=device) * loops - 1                    # each step's last loop
-            stop = row_mean(out.all_stop_logits[at], x != self.task.pad_id)               # [N,b]
-            exit_ = step_exits(stop, threshold)                                            # [b]
-            logits = out.all_logits[at][exit_, torch.arange(len(x), device=device)]       # [b,T,C]
-            preds.append(logits.argmax(-1).cpu().numpy())
-            ran.append(exit_.cpu().numpy() + 1)
-        return {**self.metrics(np.concatenate(preds), full), "steps": float(np.concatenate(ran).mean())}
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.task.name, "options": plain(self.task.options()), "data_dir": self.cfg.data_dir,

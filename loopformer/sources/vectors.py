@@ -10,10 +10,9 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
-from loopformer.sources.base import DataSource, TaskConfig, plain, read_outs
+from loopformer.sources.base import DataSource, TaskConfig, plain
 from loopformer.tasks.icl import Curriculum, ICLTask, baseline_curves, interleave
 
 
@@ -104,21 +103,22 @@ class VectorData(DataSource):
         return {k: torch.as_tensor(np.asarray(batch[k], dtype=np.float32), device=device)
                 for k in ("inputs", "targets", "weight")}
 
-    def evaluate_loops(self, model, loops, all_loops, batch_size, limit, device, autocast, progress
-                       ) -> list[dict[str, float]]:
-        n_loops = loops if all_loops else 1
+    def score(self, read_outs: torch.Tensor, batch: dict[str, np.ndarray]) -> tuple:
+        b = self.as_tensors(batch, read_outs.device)
+        y, w = b["targets"], b["weight"]                                                  # [b,T], [b,T]
+        err = (read_outs.float()[..., 0] - y) ** 2 * w                                    # [R,b,T]
+        last_pos = int(torch.nonzero(w[0]).max())
+        return (err.sum(dim=(1, 2)).cpu().numpy(), err[:, :, last_pos].sum(1).cpu().numpy(), y.shape[0],
+                float(w.sum()))
+
+    def summarize(self, parts: list, limit: int, trained_loops: int) -> list[dict[str, float]]:
+        n_loops = len(parts[0][0])
         sq, last, rows, count = np.zeros(n_loops), np.zeros(n_loops), 0, 0.0
-        for batch in tqdm(list(self.test_batches(batch_size, limit)), desc="eval", disable=not progress,
-                          leave=False):
-            b = self.as_tensors(batch, device)
-            x, y, w = b["inputs"], b["targets"], b["weight"]                              # [b,T,d+1], [b,T]
-            outs = read_outs(model, x, loops, all_loops, autocast).float()[..., 0]        # [R,b,T]
-            err = (outs - y) ** 2 * w                                                     # [R,b,T]
-            last_pos = int(torch.nonzero(w[0]).max())
-            sq += err.sum(dim=(1, 2)).cpu().numpy()
-            last += err[:, :, last_pos].sum(1).cpu().numpy()
-            count += float(w.sum())
-            rows += x.shape[0]
+        for p_sq, p_last, p_rows, p_count in parts:
+            sq += p_sq
+            last += p_last
+            count += p_count
+            rows += p_rows
         scale = self.error_scale
         return [{"mse": sq[t] / max(count, 1.0) / scale, "mse_last": last[t] / max(rows, 1) / scale}
                 for t in range(n_loops)]

@@ -116,11 +116,6 @@ def _generate(rng, n, L, amin, amax, pool, p_random, c_ins, c_del, c_rep, T, row
 class EditDistanceTask(StringPairTask):
     """Edit distance with costs insert 2 / delete 2 / replace 3 (paper App. C.1.1)."""
 
-    length: int = 60
-    alphabet_min: int = 3
-    alphabet_max: int = 26
-    p_random: float = 0.4
-    alphabet_pool: int = 26
     insert_cost: int = 2
     delete_cost: int = 2
     replace_cost: int = 3
@@ -128,11 +123,7 @@ class EditDistanceTask(StringPairTask):
     name = "edit_distance"
 
     def __post_init__(self) -> None:
-        check_range("length", self.length, 4, 1000)
-        check_range("alphabet_min", self.alphabet_min, 1, 26)
-        check_range("alphabet_pool", self.alphabet_pool, 1, 26)
-        check_range("alphabet_max", self.alphabet_max, self.alphabet_min, self.alphabet_pool)
-        check_range("p_random", self.p_random, 0.0, 1.0, integer=False)
+        self.check_pair_options(min_length=4)
         for k in ("insert_cost", "delete_cost", "replace_cost"):
             check_range(k, getattr(self, k), 0, 1000)
         L = self.length

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from loopformer.tasks.common import check_range, make_rng
+from loopformer.tasks.common import make_rng
 from loopformer.tasks.pairs import StringPairTask, draw_alphabet, pair_vocab, write_row
 
 
@@ -85,20 +85,12 @@ def _generate(rng, n, L, amin, amax, pool, p_random, rows, start, length, answer
 class LCSTask(StringPairTask):
     """Length of the longest common subsequence of two strings."""
 
-    length: int = 60
-    alphabet_min: int = 3
     alphabet_max: int = 25
-    p_random: float = 0.4
-    alphabet_pool: int = 26
 
     name = "lcs"
 
     def __post_init__(self) -> None:
-        check_range("length", self.length, 1, 1000)
-        check_range("alphabet_min", self.alphabet_min, 1, 26)
-        check_range("alphabet_pool", self.alphabet_pool, 1, 26)
-        check_range("alphabet_max", self.alphabet_max, self.alphabet_min, self.alphabet_pool)
-        check_range("p_random", self.p_random, 0.0, 1.0, integer=False)
+        self.check_pair_options(min_length=1)
         self.max_answer = int(self.length)
         self.vocab = pair_vocab(self.max_answer)
         self.seq_len = 2 * self.length + 4

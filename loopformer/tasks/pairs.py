@@ -14,12 +14,15 @@ Shapes: N samples, T = seq_len (the longest possible row for the task's options)
 from __future__ import annotations
 
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numba
 import numpy as np
 
 from loopformer.errors import UserError
 from loopformer.tasks.base import IGNORE, TokenTask, Vocab
-from loopformer.tasks.common import causal_targets, dataclass_options, exact_match, token_accuracy
+from loopformer.tasks.common import causal_targets, check_range, dataclass_options, exact_match, token_accuracy
 
 PAD, SEP, EOS, BAR = 0, 1, 2, 3
 LETTER0 = 4          # id of 'a'
@@ -78,11 +81,27 @@ def write_row(rows, i, a, la, b, lb, value, start, length, len1, len2):
     len2[i] = lb
 
 
+@dataclass
 class StringPairTask(TokenTask):
-    """Common behaviour of edit distance and LCS: batch assembly, metrics, decoding."""
+    """Common options and behaviour of edit distance and LCS: string length, alphabet sizes, the share of random
+    pairs; batch assembly, metrics, decoding."""
+
+    length: int = 60
+    alphabet_min: int = 3
+    alphabet_max: int = 26
+    p_random: float = 0.4
+    alphabet_pool: int = 26
 
     causal = True
-    max_answer: int
+    max_answer: ClassVar[int]
+
+    def check_pair_options(self, min_length: int) -> None:
+        """One-line errors for the shared options."""
+        check_range("length", self.length, min_length, 1000)
+        check_range("alphabet_min", self.alphabet_min, 1, 26)
+        check_range("alphabet_pool", self.alphabet_pool, 1, 26)
+        check_range("alphabet_max", self.alphabet_max, self.alphabet_min, self.alphabet_pool)
+        check_range("p_random", self.p_random, 0.0, 1.0, integer=False)
 
     def _dp(self, a: np.ndarray, la: int, b: np.ndarray, lb: int) -> int:
         """The task's answer for two strings given as integer arrays."""

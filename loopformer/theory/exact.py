@@ -271,16 +271,6 @@ def evaluate(net: LoopedNet, X: Sequence[Sequence], loops: Optional[int] = None,
     return [net.l2(h) for h in H]
 
 
-def evaluate_tokens(net: LoopedNet, xs: Sequence, loops: Optional[int] = None) -> list:
-    """Token-wise nets (no attention): evaluate each scalar/vector input on its own; returns one output each."""
-    outs = []
-    for x in xs:
-        x = [x] if not isinstance(x, (list, tuple)) else list(x)
-        outs.append(evaluate(net, [x], loops)[0])
-    return outs
-
-
-# -------------------------------------------------------------------------------------- assembling helpers
 def block_diag_ff(parts: Sequence[FeedForward]) -> FeedForward:
     """Side-by-side feed-forward layers acting on consecutive coordinate slices (paper: "d times more")."""
     D = sum(p.dim for p in parts)

@@ -162,12 +162,6 @@ def softmax_gaps(base: int, N: int, lam, printed: bool, M=None) -> tuple[Fractio
     return min(gaps), max(gaps)
 
 
-def softmax_error(base: int, N: int, lam, printed: bool, M=None) -> Fraction:
-    """max |k − k̃| over 𝕃_δ (see `softmax_gaps`)."""
-    lo, hi = softmax_gaps(base, N, lam, printed, M)
-    return max(abs(lo), abs(hi))
-
-
 def paper_criterion(lo, hi) -> bool:
     """Eq. 94 via Eq. 111: the perturbed index must satisfy 0 < k − k̃ < 1 for every input and token."""
     return lo > 0 and hi < 1

@@ -15,7 +15,7 @@ import copy
 
 import torch
 
-from loopformer.model.io import unwrap
+from loopformer.model.looped import unwrap
 
 
 class EMA:

@@ -4,7 +4,8 @@ Recipe (paper App. C.1.3 / C.2 / C.3, set by the run config): AdamW, warm-up the
 clipping and accumulation, the loss on the last loop, on every loop or on a window of the last loops, optional
 loop / in-context curricula, periodic evaluation with a checkpoint each time, and a final loop-wise evaluation.
 
-    train(cfg)                      Trainer(cfg) builds data, model, optimiser (and restores a checkpoint), then
+    train(cfg)                      Trainer(cfg) builds data, model, optimiser (and restores a checkpoint),
+                                    open_log (run files, metrics log, bar), wrap (DDP, compile), then
       for step in start..total:       step(s)       one optimiser step over the global batch of step s
                                       log_train     the window's loss / accuracy / lr (every log_every steps)
                                       log_dynamics  per-loop gates, update sizes, read-outs (every dynamics_every)
@@ -37,8 +38,8 @@ from loopformer.errors import UserError
 from loopformer.eval.evaluate import evaluate
 from loopformer.eval.halting import evaluate_halting
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
-from loopformer.model.io import load_training_state, load_weights, save_checkpoint, unwrap
-from loopformer.model.looped import LoopedTransformer
+from loopformer.model.io import load_training_state, load_weights, save_checkpoint
+from loopformer.model.looped import LoopedTransformer, unwrap
 from loopformer.model.memory import check_fits, estimate
 from loopformer.model.recursion import supervision_steps
 from loopformer.sources import DataSource, make_data
@@ -139,6 +140,7 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Optional[Callable[[i
             barrier(d)
             return run.read_results(t.run_dir)
         t.open_log(progress)
+        t.wrap()
         tc = cfg.train
         for step in range(t.start, t.total):
             t.step(step)
@@ -225,9 +227,19 @@ class Trainer:
         rngs = state["rng"]
         _set_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0], self.d.device)
 
+    def wrap(self) -> None:
+        """The module the steps run: the model, inside DDP when several processes train, compiled when asked
+        (`self.net`; checkpoints always save the raw `self.model`)."""
+        self.net: torch.nn.Module = self.model
+        if self.d.active:
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.d.device] if self.d.device.type == "cuda" else None)
+        if self.cfg.train.compile:
+            self.net = torch.compile(self.net)
+
     def open_log(self, progress: Optional[bool]) -> None:
-        """Write config.yaml and run.json, open the metrics log, wrap the model (DDP, compile), start the bar and
-        the log window (restored from the checkpoint when resuming)."""
+        """Write config.yaml and run.json, open the metrics log, start the bar and the log window (restored from
+        the checkpoint when resuming)."""
         cfg, d, state = self.cfg, self.d, self.state
         if d.main:
             info = {"name": cfg.name, "config": to_dict(cfg), "seed": cfg.seed, "git": run.git_commit(),
@@ -237,14 +249,6 @@ class Trainer:
                     "params": unwrap(self.model).num_params()}
             run.write_start(self.run_dir, cfg, info)
         self.log = MetricsLog(self.run_dir, cfg, self.start if self.resume else None, d.main, final_step=self.total)
-
-        self.net: torch.nn.Module = self.model
-        if d.active:
-            self.net = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[d.device] if d.device.type == "cuda" else None)
-        if cfg.train.compile:
-            self.net = torch.compile(self.net)
-
         show = d.main and (cfg.log.progress if progress is None else progress)
         self.bar = tqdm(total=self.total, initial=self.start, desc=cfg.name, disable=not show, dynamic_ncols=True)
         self.train_time = float(state.get("train_time", 0.0)) if state else 0.0
