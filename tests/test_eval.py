@@ -154,6 +154,7 @@ def test_eval_on_other_data_longer_strings_and_another_folder(tmp_path, capsys):
     printed = capsys.readouterr().out
     res = json.loads(out.read_text())
     assert res["data"]["options"]["length"] == 8 and res["data"]["n_test"] == 32 and "length': 8" in printed
+    acc8 = res["metrics"]["accuracy"]
     own = json.loads((tmp_path / "wide" / "results.json").read_text())
     assert own["task"]["options"]["length"] == 6
     assert main(["eval", str(tmp_path / "narrow"), "--task-opt", "length=8", "--no-loopwise"]) == 2
@@ -173,3 +174,10 @@ def test_eval_on_other_data_longer_strings_and_another_folder(tmp_path, capsys):
     assert "exclude each other" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "wide"), "--task-opt", "length=-3"]) == 2
     assert "length" in capsys.readouterr().err
+    # the same across a folder of runs: loopformer report --task-opt writes generalisation.md
+    assert main(["report", str(tmp_path), "--task-opt", "length=8", "--out", str(tmp_path / "rep")]) == 0
+    gen = (tmp_path / "rep" / "generalisation.md").read_text()
+    assert "length=8" in gen and gen.count("| ED (6) |") == 2
+    wide = next(line for line in gen.splitlines() if "| wide |" in line)
+    assert f"→ {100 * acc8:.1f}" in wide                                 # the same number as `eval --task-opt`
+    assert "does not fit" in next(line for line in gen.splitlines() if "| narrow |" in line)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from loopformer.commandline import add_device, add_quiet, intermixed, split_items
+from loopformer.commandline import add_device, add_quiet, add_rows, intermixed, parse_options, split_items
 from loopformer.errors import UserError
 from loopformer.experiments.demo import run_demo
 from loopformer.experiments.report import write_report
@@ -31,8 +31,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    rep = write_report(args.folder, args.out)
+    opts = parse_options(args.task_opt, "--task-opt") if args.task_opt else None
+    rep = write_report(args.folder, args.out, data_dir=args.data, task_opts=opts, device=args.device or "auto",
+                       limit=args.n)
     print(rep["markdown"])
+    if "generalisation" in rep:
+        print(rep["generalisation"])
     print(f"{rep['runs']} runs; wrote " + ", ".join(str(p) for p in rep["files"].values()))
     return 0
 
@@ -61,6 +65,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="rebuild the table and plots of a sweep folder")
     p.add_argument("folder", metavar="DIR")
     p.add_argument("--out", metavar="DIR", help="write the files here (default: DIR)")
+    p.add_argument("--data", metavar="DIR", help="also evaluate every run on this dataset folder (generalisation.md)")
+    p.add_argument("--task-opt", action="append", metavar="KEY=VALUE",
+                   help="also evaluate every run on its task regenerated with this option (repeatable), e.g. length=8")
+    add_rows(p, 0, "with --data / --task-opt: only the first N test rows (0: all)")
+    add_device(p, default=None)
     p.set_defaults(func=cmd_report)
 
     p = subparsers.add_parser("demo", help="the CPU reproduction: standard vs looped vs timestep-encoded",

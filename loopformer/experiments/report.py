@@ -13,6 +13,8 @@ cells with several runs (seeds) show their mean. Files written into the sweep fo
     loops.png       the metric against the loop count r: one line per variant, the standard Transformer as a
                     dashed level (one panel per task)
     loopwise.png    the metric after each loop t = 1..R of every looped run (the trained r marked): extrapolation
+    generalisation.md  with other data (`report --data DIR` / `--task-opt KEY=VALUE`): every run evaluated on it at
+                    its trained r next to its own test split (length generalisation, harder puzzles, another seed)
     paired.md       looped vs TMLT runs that differ only in `timestep` (same task, r, other settings and seed):
                     both medians and the per-seed paired differences (only when some run has its twin)
     halting.md      runs evaluated with halting rules (`eval.halt`): each rule's metric, mean loops, loops saved
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from loopformer.errors import UserError
+from loopformer.eval.commands import evaluate_checkpoint
 from loopformer.fileio import write_figure, write_text
 
 VARIANT_TITLES = {"standard": "Standard", "looped": "Looped", "tmlt": "w/ Timestep"}
@@ -319,9 +322,44 @@ def halting_table(runs: list[dict]) -> Optional[str]:
     return "\n".join(lines) + "\n"
 
 
-def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = None) -> dict[str, Any]:
+def generalisation_table(runs: list[dict], data_dir: Optional[str] = None, task_opts: Optional[dict] = None,
+                         device: str = "auto", limit: int = 0) -> str:
+    """Markdown: every run evaluated at its trained r on other data (a dataset folder `data_dir`, or its task with
+    `task_opts` changed: `loopformer.eval.commands.evaluate_checkpoint`) next to its own test split; one row per
+    (task, configuration), median [min–max] over seeds. A run the data cannot fit shows why."""
+    if not runs:
+        raise UserError("no finished runs found (no results.json)")
+    what = f"the dataset folder {data_dir}" if data_dir else \
+        "the test split regenerated with " + ", ".join(f"{k}={v}" for k, v in (task_opts or {}).items())
+    groups: dict[tuple[str, str], list[tuple[dict, Any]]] = defaultdict(list)
+    for r in runs:
+        try:
+            other = evaluate_checkpoint(r["_dir"], device=device, limit=limit, loopwise=False, progress=False,
+                                        data_dir=data_dir, task_opts=task_opts)
+        except UserError as exc:
+            other = str(exc)
+        groups[(task_label(r.get("task", {})), config_key(r["_dir"]))].append((r, other))
+    lines = [f"Each run at its trained r on {what}, next to its own test split.", "",
+             "| task | configuration | seeds | own test: median [min–max] | other data: median [min–max] | per seed |",
+             "|---|---|---:|---|---|---|"]
+    for (label, key), rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda p: p[0].get("seed", 0))
+        metric = rs[0][0]["metric"]
+        own = [_value(r) for r, _ in rs]
+        fits = [(r, o) for r, o in rs if isinstance(o, dict)]
+        other = _median_range([float(o["metrics"][metric]) for _, o in fits], metric) if fits else \
+            f"does not fit: {rs[0][1]}"
+        per = ", ".join(f"{r.get('seed', '?')}: {_fmt(_value(r), metric)} → {_fmt(float(o['metrics'][metric]), metric)}"
+                        for r, o in fits)
+        lines.append(f"| {label} | {key} | {len(rs)} | {_median_range(own, metric)} | {other} | {per} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = None,
+                 data_dir: Optional[str] = None, task_opts: Optional[dict] = None, device: str = "auto",
+                 limit: int = 0) -> dict[str, Any]:
     """Write table.md, table.csv, runs.csv, loops.png, loopwise.png (and halting.md) into `out` (default:
-    `folder`)."""
+    `folder`); with `data_dir` or `task_opts` also generalisation.md (`generalisation_table`)."""
     runs = find_runs(folder)
     md, tab = table(runs)
     dest = Path(out or folder)
@@ -340,4 +378,8 @@ def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = N
     halting = halting_table(runs)
     if halting is not None:
         written["halting.md"] = write_text(dest / "halting.md", halting)
-    return {"markdown": md, "files": written, "runs": len(runs)}
+    general = generalisation_table(runs, data_dir, task_opts, device, limit) if (data_dir or task_opts) else None
+    if general is not None:
+        written["generalisation.md"] = write_text(dest / "generalisation.md", general)
+    return {"markdown": md, "files": written, "runs": len(runs),
+            **({"generalisation": general} if general is not None else {})}
