@@ -11,7 +11,7 @@
 #   bash scripts/depth_study.sh pointer         # pointer chasing (16 symbols, 12 hops): looped and TMLT at r = 4, 16,
 #                                               #   32, seeds 0-2 (18 runs, ~11 min each at r = 32)
 #   bash scripts/depth_study.sh pointer-curve   # ... looped at r = 2 and 8, seed 0
-#   bash scripts/depth_study.sh word            # the word problem of S5 (32 elements): looped at r = 2, 4, 8, 16, seed 0
+#   bash scripts/depth_study.sh word            # the word problem (S3, 16 elements): looped at r = 4, 16, 32, seed 0
 #   bash scripts/depth_study.sh distinct        # the circuit with 8 distinct layers (a block must act as different
 #                                               #   layers at different loops): looped vs TMLT at r = 8 and 16, seeds 0-2
 #   bash scripts/depth_study.sh no-targets      # the answer alone in every loop's loss (no per-loop targets), seed 0
@@ -43,7 +43,7 @@ stage() {
     pointer)        depth pointer pointer ;;
     pointer-curve)  curve pointer pointer-curve ;;
     word)
-      "$LF" sweep configs/cpu/word.yaml eval.max_loops=32 --grid model.loops=2,4,8,16 --out "$STUDY/word" "${SW[@]}" ;;
+      "$LF" sweep configs/cpu/word.yaml eval.max_loops=64 --grid model.loops=4,16,32 --out "$STUDY/word" "${SW[@]}" ;;
     distinct)
       "$LF" sweep configs/cpu/schedule.yaml task.options.layers=8 task.options.period=0 eval.max_loops=32 \
         --grid seed=0,1,2 model.loops=8,16 model.timestep=false,true --out "$STUDY/distinct" "${SW[@]}" ;;
