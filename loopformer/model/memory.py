@@ -6,10 +6,11 @@ n_layers = 1e6) is refused without building anything:
 
     parameters    the exact parameter count of `LoopedTransformer(cfg)` × 4
     optimiser     training: gradients and AdamW's two moments, 3 × parameters
-    activations   training: per token, layer and loop in the graph about 12·D + 2·F + 2·H·T saved values (block
-                  input and norms, q/k/v, attention output and probabilities, MLP hidden before and after the
-                  activation); with activation checkpointing one loop's worth plus D per loop; inference: one
-                  layer's working set
+    activations   training: per token, layer and loop in the graph about 12·D + 2·F saved values (block input
+                  and norms, q/k/v, attention output, MLP hidden before and after the activation; attention runs
+                  through `scaled_dot_product_attention`, whose fused kernels keep no T × T probabilities), at
+                  `act_bytes` each (2 under bf16 / fp16 autocast); with activation checkpointing one loop's worth
+                  plus D per loop; inference: one layer's working set and one T × T score matrix per head
     read-outs     the logits of every read-out the loss or the evaluation keeps: R × B × T × C (× 2 in training:
                   their gradient)
     cache         generation: 2 × loops × layers × B × H × S × head_dim (keys and values of every loop)
@@ -69,7 +70,8 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def estimate(cfg: ModelConfig, *, batch: int, seq_len: Optional[int] = None, loops: Optional[int] = None,
-             training: bool = False, read_outs: int = 1, cache_len: int = 0, ema: bool = False) -> dict[str, int]:
+             training: bool = False, read_outs: int = 1, cache_len: int = 0, ema: bool = False,
+             act_bytes: int = 4) -> dict[str, int]:
     """Bytes per part (see the module docstring) for one forward (and backward, `training`) of `batch` rows of
     `seq_len` tokens (default max_len) through `loops` loops (default cfg.loops), keeping `read_outs` read-outs;
     `cache_len` > 0: a key/value cache of that length for every loop."""
@@ -78,14 +80,14 @@ def estimate(cfg: ModelConfig, *, batch: int, seq_len: Optional[int] = None, loo
     B, D, F, H, L = int(batch), cfg.d_model, cfg.ffn, cfg.n_heads, cfg.n_layers
     params = param_count(cfg)
     out = {"parameters": 4 * params}
-    per_token_layer = 12 * D + 2 * F + 2 * H * T
+    per_token_layer = 12 * D + 2 * F
     if training:
         out["optimiser"] = 4 * params * 3 + (4 * params if ema else 0)
         graph = R if cfg.grad_loops is None else min(R, cfg.grad_loops)
         stored = (L * per_token_layer + graph * D) if cfg.checkpoint else graph * L * per_token_layer
-        out["activations"] = 4 * B * T * stored
+        out["activations"] = act_bytes * B * T * stored
     else:
-        out["activations"] = 4 * B * T * per_token_layer
+        out["activations"] = act_bytes * B * T * (per_token_layer + H * T)
     out["read-outs"] = 4 * max(1, read_outs) * B * T * cfg.out_dim * (2 if training else 1)
     if cache_len:
         out["cache"] = 4 * 2 * R * L * B * H * int(cache_len) * cfg.hd

@@ -188,9 +188,12 @@ class Trainer:
         np.random.seed(cfg.seed % 2 ** 32)
         self.data: DataSource = make_data(cfg.task)
         self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
+        self.autocast, use_scaler = autocast_for(cfg, d.device)
         if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
+            half = self.autocast is not contextlib.nullcontext
             check_fits(estimate(cfg.model, batch=self.B // (d.world * tc.grad_accum), training=True,
-                                read_outs=loss_loops(tc, cfg.model.loops) or 1, ema=tc.ema_decay > 0), d.device,
+                                read_outs=loss_loops(tc, cfg.model.loops) or 1, ema=tc.ema_decay > 0,
+                                act_bytes=2 if half else 4), d.device,
                        "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
                                         "or set model.checkpoint=true")
         self.model = LoopedTransformer(cfg.model).to(d.device)
@@ -199,7 +202,6 @@ class Trainer:
         self.gate_params = [p for n, p in named if n.startswith("exit_gate.")]
         self.trunk_params = [p for n, p in named if not n.startswith("exit_gate.")]
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
-        self.autocast, use_scaler = autocast_for(cfg, d.device)
         self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
         self.start, self.state, self.finished = 0, None, False
         if resume:
