@@ -31,6 +31,9 @@ def other_data(task_cfg: TaskConfig, recorded: dict, data_dir: Optional[str], ta
     trained = recorded.get("name") or task_cfg.name
     if data_dir:
         new = dataclasses.replace(task_cfg, data_dir=data_dir)
+        if source_class(new).kind == "vectors":
+            raise UserError("--data: in-context learning samples its prompts (there is no data folder); use "
+                            "--task-opt to change them")
         name = source_class(new).task_name(new)
         if name != trained:
             raise UserError(f"--data {data_dir} holds the {name} task; the model was trained on {trained}")
