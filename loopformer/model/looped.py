@@ -142,7 +142,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                 positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 return_all: bool = False, halt: Optional[HaltRule | str] = None,
                 halt_positions: Optional[torch.Tensor] = None, per_token: Optional[bool] = None,
-                state: Optional[torch.Tensor] = None, loop_offset: int = 0) -> LoopOutput:
+                state: Optional[torch.Tensor] = None, loop_offset: int = 0, read_at: Optional[torch.Tensor] = None,
+                read_loops: Optional[int] = None) -> LoopOutput:
         """Run L1, then the block `loops` times, then L2.
 
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
@@ -154,6 +155,9 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         state: [B,T,D] hidden state to start from (a carried state; default: the read-in e), loop_offset: the index
         of the first loop for the timestep encoding (`loop_indices`). With `state`, `loops=R, loop_offset=o`
         continues exactly where a call with `o` loops left off (its `hidden`).
+        read_at: [N] indices into the B·T flattened positions: L2 reads out only there (training reads the positions
+        its loss looks at): logits [N,C], all_logits and all_hidden [R',N,·]; `hidden` stays [B,T,D].
+        read_loops: with return_all, the per-loop read-out of the last `read_loops` loops only (R' of them).
         """
         if halt is not None:
             if state is not None or loop_offset:
@@ -183,7 +187,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                 states.append(h)
         if cache is not None:
             cache.length += x.shape[1]
-        return self._read_out(h, states if return_all else None, attn_mask, R)           # L2
+        return self._read_out(h, states if return_all else None, attn_mask, R, read_at, read_loops)   # L2
 
     @torch.no_grad()
     def halting_forward(self, x: torch.Tensor, halt: HaltRule | str, *, loops: Optional[int] = None,
@@ -348,15 +352,22 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return h
 
     def _read_out(self, h: torch.Tensor, states: Optional[list[torch.Tensor]], attn_mask: Optional[torch.Tensor],
-                  ran: int) -> LoopOutput:
-        """L2 after the last loop (and after every loop when `states` holds them); the exit gate's stop logits
-        likewise when the model has one."""
-        out = LoopOutput(logits=self.head(self.norm_f(h), attn_mask), hidden=h, loops=ran)
-        if states is not None:
-            out.all_hidden = torch.stack(states)                                       # [R,B,T,D]
-            out.all_logits = self.head(self.norm_f(out.all_hidden), attn_mask)         # [R,B,T,C]
+                  ran: int, read_at: Optional[torch.Tensor] = None, read_loops: Optional[int] = None) -> LoopOutput:
+        """L2 after the last loop (and after each of the last `read_loops` loops when `states` holds them — all of
+        them by default), at the positions `read_at` only when given; the final logits are the last loop's
+        read-out. The exit gate's stop logits likewise when the model has one (per loop: not with `read_at`)."""
+        if read_at is not None and self.head.kind == "sequence":
+            raise UserError("read_at selects positions of a token-wise read-out, not of a pooled sequence head")
+        at = (lambda z: z.flatten(-3, -2).index_select(-2, read_at)) if read_at is not None else (lambda z: z)
+        if states is None:
+            out = LoopOutput(logits=self.head(self.norm_f(at(h)), attn_mask), hidden=h, loops=ran)
+        else:
+            read = states[-read_loops:] if read_loops else states
+            hidden = torch.stack([at(s) for s in read]) if read_at is not None else torch.stack(read)  # [R',B,T,D]
+            all_logits = self.head(self.norm_f(hidden), attn_mask)                             # [R',B,T,C]
+            out = LoopOutput(logits=all_logits[-1], hidden=h, all_logits=all_logits, all_hidden=hidden, loops=ran)
         if self.exit_gate is not None:
             out.stop_logits = self.exit_gate(h)                                        # [B,T]
-            if states is not None:
-                out.all_stop_logits = self.exit_gate(out.all_hidden)                   # [R,B,T]
+            if states is not None and read_at is None:
+                out.all_stop_logits = self.exit_gate(out.all_hidden)                   # [R',B,T]
         return out

@@ -31,22 +31,31 @@ from loopformer.model.looped import unwrap
 from loopformer.model.looped import LoopOutput
 
 
+def step_offset(step_timestep: str, step: int, loops: int) -> int:
+    """The loop index the timestep encoding gives the first loop of supervision step `step` (0-based) of `loops`
+    loops: counting on across steps ("continue") or restarting at 0 ("restart")."""
+    return step * loops if step_timestep == "continue" else 0
+
+
 def supervision_steps(net: torch.nn.Module, x: torch.Tensor, steps: int, loops: Optional[int] = None, *,
-                      return_all: bool = False, detach: bool = True) -> Iterator[LoopOutput]:
+                      return_all: bool = False, detach: bool = True, read_at: Optional[torch.Tensor] = None,
+                      read_loops: Optional[int] = None) -> Iterator[LoopOutput]:
     """The N = `steps` supervision steps of `loops` loops each (default: the model's r) on inputs x [B,T]: yields
     each step's output (logits [B,T,C], hidden [B,T,D]; with `return_all` every loop's read-out) in turn.
 
     `net` may be a DDP / compiled wrapper. Step s > 0 starts from the hidden state of step s−1, detached unless
     `detach` is False; a caller that backpropagates each step's loss before asking for the next keeps one step's
     activations in memory. The timestep encoding continues counting (loop offset s·R) or restarts (offset 0)
-    per the model's `step_timestep`.
+    per the model's `step_timestep`. `read_at`, `read_loops`: the read-out's positions and loops (see
+    `LoopedTransformer.forward`).
     """
     cfg = unwrap(net).config
     R = int(loops or cfg.loops)
     h: Optional[torch.Tensor] = None
     for s in range(int(steps)):
-        offset = s * R if cfg.step_timestep == "continue" else 0
-        out = net(x, loops=R, state=h, loop_offset=offset, return_all=return_all)
+        offset = step_offset(cfg.step_timestep, s, R)
+        out = net(x, loops=R, state=h, loop_offset=offset, return_all=return_all, read_at=read_at,
+                  read_loops=read_loops)
         yield out
         h = out.hidden.detach() if detach else out.hidden
 
@@ -60,4 +69,4 @@ def step_exits(stop_logits: torch.Tensor, threshold: float = 0.5) -> torch.Tenso
     return hold.float().argmax(0)                                                       # the first True
 
 
-__all__ = ["supervision_steps", "step_exits"]
+__all__ = ["supervision_steps", "step_offset", "step_exits"]

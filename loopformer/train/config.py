@@ -28,6 +28,7 @@ LOSS_LOOPS = ("last", "all", "window")
 EXIT_LOSSES = ("target", "distribution")
 SCHEDULES = ("linear", "cosine", "constant", "onecycle")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+COMPILE = ("auto", "true", "false")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
@@ -59,7 +60,9 @@ class TrainConfig:
     eval_every: int = 0               # steps between evaluations (and checkpoints); 0: only at the end
     log_every: int = 10
     precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16
-    compile: bool = False             # torch.compile the model (GPU)
+    compile: str = "auto"             # torch.compile the training step (forward, loss, backward) at the final loop
+                                      # count: auto (on for runs of >= 1,000 such steps on a CUDA GPU or on a CPU
+                                      # with a C++ compiler; off if compiling fails) | true | false
     timestep_lr_mult: float = 0.1     # lr multiplier of the timestep embedder and the modulations (TMLT); 1: the
                                       # paper's single learning rate. See docs/tmlt-study.md
     timestep_weight_decay: Optional[float] = None  # their weight decay (None: weight_decay)
@@ -89,6 +92,8 @@ class TrainConfig:
               "loop curriculum: loops_start >= 0, loops_every >= 1, loops_increment >= 1")
         _need(self.eval_every >= 0 and self.log_every >= 1, "train.eval_every >= 0 and train.log_every >= 1")
         _need(self.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS} (got {self.precision!r})")
+        self.compile = str(self.compile).lower()          # a YAML boolean arrives as "True" / "False"
+        _need(self.compile in COMPILE, f"train.compile must be one of {COMPILE} (got {self.compile!r})")
         _need(self.timestep_lr_mult > 0, f"train.timestep_lr_mult must be > 0 (got {self.timestep_lr_mult})")
         _need(self.timestep_weight_decay is None or self.timestep_weight_decay >= 0,
               "train.timestep_weight_decay must be >= 0 (or null)")

@@ -93,7 +93,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     """AdamW; matrices decay, vectors (norm gains, biases) and embeddings' positions do not (GPT-2 practice).
 
     The timestep parameters (`is_timestep_param`) form their own groups with lr × `timestep_lr_mult` (each group's
-    "lr_mult"; the trainer sets `lr = schedule × lr_mult`) and weight decay `timestep_weight_decay`.
+    "lr_mult"; the trainer sets `lr = schedule × lr_mult`) and weight decay `timestep_weight_decay`. All groups
+    are updated by one fused kernel on CPUs and CUDA GPUs (one pass over the parameters, not one per tensor).
     """
     groups: dict[tuple[bool, bool], list] = {(ts, dec): [] for ts in (False, True) for dec in (True, False)}
     for name, p in model.named_parameters():
@@ -107,7 +108,9 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     if groups[(True, True)] or groups[(True, False)]:
         out += [{"params": groups[(True, True)], "weight_decay": ts_wd, "lr_mult": cfg.timestep_lr_mult},
                 {"params": groups[(True, False)], "weight_decay": 0.0, "lr_mult": cfg.timestep_lr_mult}]
-    return torch.optim.AdamW(out, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    params = [p for g in out for p in g["params"]]
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    return torch.optim.AdamW(out, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
 
 
 def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None
@@ -120,17 +123,24 @@ def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[to
     Leading dims (loops) are summed over; the count is per read-out.
     """
     if targets.dtype.is_floating_point:
+        return loss_sum(logits, targets, weight), int((torch.ones_like(targets) if weight is None else weight).sum())
+    lead = logits.shape[:-3]
+    per_read = targets.dim() == logits.dim() - 1                   # targets [..., B,T]: one per read-out
+    count = int((targets != IGNORE).sum().item())
+    return loss_sum(logits, targets), count // max(1, math.prod(lead)) if per_read else count
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The sum of `summed_loss` alone (no host synchronisation: it compiles into one graph with the forward)."""
+    if targets.dtype.is_floating_point:
         pred = logits[..., 0].float()
         w = torch.ones_like(targets) if weight is None else weight.to(targets.dtype)
-        err = (pred - targets).pow(2) * w
-        return err.sum(), int(w.sum().item())
+        return ((pred - targets).pow(2) * w).sum()
     lead = logits.shape[:-3]
     per_read = targets.dim() == logits.dim() - 1                   # targets [..., B,T]: one per read-out
     flat_t = (targets if per_read else targets.expand(*lead, *targets.shape)).reshape(-1)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_t, ignore_index=IGNORE,
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_t, ignore_index=IGNORE,
                            reduction="sum")
-    count = int((targets != IGNORE).sum().item())
-    return loss, count // max(1, math.prod(lead)) if per_read else count
 
 
 def per_loop_losses(all_logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None,

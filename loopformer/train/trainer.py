@@ -22,7 +22,10 @@ Shapes: B batch, T length, R loops, C classes.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
+import os
+import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -33,23 +36,24 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from loopformer import configio
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import evaluate
 from loopformer.eval.halting import evaluate_halting
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint
-from loopformer.model.looped import LoopedTransformer, unwrap
+from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
 from loopformer.model.memory import check_fits, estimate
-from loopformer.model.recursion import supervision_steps
+from loopformer.model.recursion import step_offset
 from loopformer.sources import DataSource, make_data
 from loopformer.tasks import IGNORE
 from loopformer.train import run
 from loopformer.train.config import RunConfig
 from loopformer.train.ema import EMA
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
-from loopformer.train.optim import (exit_loss, loop_targets, loops_at, loss_loops, lr_at, make_optimizer, steps_for,
-                                   summed_loss)
+from loopformer.train.optim import (exit_loss, loop_targets, loops_at, loss_loops, loss_sum, lr_at, make_optimizer,
+                                   steps_for)
 from loopformer.train.run import MetricsLog
 
 
@@ -93,6 +97,50 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+COMPILE_MIN_STEPS = 1000   # train.compile=auto: steps at the final loop count that repay a compilation (~20-60 s)
+
+
+def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
+    """Whether the training step runs compiled (`train.compile`): "true" / "false" as said; "auto" when at least
+    COMPILE_MIN_STEPS steps run at the final loop count (after any loop curriculum) on a CUDA device with Triton or
+    on a CPU with a C++ compiler (what torch.compile's code generation needs)."""
+    mode = cfg.train.compile
+    if mode != "auto":
+        return mode == "true"
+    tc, R = cfg.train, cfg.model.loops
+    first = 0 if tc.loops_start <= 0 else next((s for s in range(total) if loops_at(tc, s, R) == R), total)
+    if total - first < COMPILE_MIN_STEPS:
+        return False
+    if device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    return device.type == "cpu" and any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++",
+                                                                      "clang++"))
+
+
+def read_positions(batch: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    """[n] int64: the flattened B·T positions a batch's loss looks at — a target (or, with per-loop targets, any
+    loop's target), or a weight above 0 for regression — or None when that is every position."""
+    t = batch["targets"]
+    if t.dtype.is_floating_point:
+        seen = batch["weight"] > 0 if "weight" in batch else torch.ones_like(t, dtype=torch.bool)
+    else:
+        seen = t != IGNORE
+        if "step_targets" in batch:
+            seen = seen | (batch["step_targets"] != IGNORE).any(1)                      # [B,K,T] -> [B,T]
+    return None if bool(seen.all()) else seen.flatten().nonzero().squeeze(1)
+
+
+def at_read(at: Optional[torch.Tensor], logits: torch.Tensor, targets: torch.Tensor,
+            weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Read-outs taken at the positions `at` ([..., n, C], `read_positions`) with targets [..., B,T] (and weight
+    [B,T]) as one row of n positions: ([..., 1, n, C], [..., 1, n], [1, n]), the layout `summed_loss` reads.
+    Unchanged when `at` is None."""
+    if at is None:
+        return logits, targets, weight
+    pick = (lambda z: z.flatten(-2).index_select(-1, at).unsqueeze(-2))                 # [..., B,T] -> [..., 1,n]
+    return logits.unsqueeze(-3), pick(targets), None if weight is None else pick(weight)
 
 
 def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loops: int, step: int,
@@ -236,8 +284,42 @@ class Trainer:
         if self.d.active:
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.d.device] if self.d.device.type == "cuda" else None)
-        if self.cfg.train.compile:
-            self.net = torch.compile(self.net)
+        self.compiled = torch.compile(self._forward_loss) if compiles(self.cfg, self.d.device, self.total) else None
+        self.compile_s = 0.0                     # seconds of the first compiled step (compilation included)
+
+    def forward_loss(self, *args) -> tuple[torch.Tensor, LoopOutput]:
+        """`_forward_loss`, compiled at the model's final loop count when `compiles` says so (a loop curriculum's
+        shorter steps stay eager: each loop count would be a graph of its own). With train.compile=auto a
+        compilation that fails falls back to eager with one warning."""
+        R = args[6]
+        if self.compiled is None or R != self.cfg.model.loops:
+            return self._forward_loss(*args)
+        if self.compile_s:
+            return self.compiled(*args)
+        t0 = time.perf_counter()
+        try:
+            out = self.compiled(*args)
+        except Exception as exc:                 # noqa: BLE001 - any compiler failure: auto falls back
+            if self.cfg.train.compile != "auto":
+                raise
+            print(f"loopformer: compiling the training step failed, training eagerly ({configio.one_line(exc)})",
+                  file=sys.stderr)
+            self.compiled = None
+            return self._forward_loss(*args)
+        self.compile_s = time.perf_counter() - t0
+        return out
+
+    def _forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
+                      targets: torch.Tensor, weight: Optional[torch.Tensor], R: int, return_all: bool,
+                      read_loops: Optional[int], n_read: Optional[int]) -> tuple[torch.Tensor, LoopOutput]:
+        """One supervision step: the forward from `state` (None: the read-in) and its summed loss over the last
+        `n_read` read-outs (None: the final one) at the positions `at` — one graph when compiled."""
+        out = self.net(x, loops=R, state=state, loop_offset=offset, return_all=return_all, read_at=at,
+                       read_loops=read_loops)
+        logits = out.logits if n_read is None else out.all_logits[-n_read:]
+        if out.all_logits is not None:   # a copy, not a view of all_logits: compiled graphs whose outputs alias
+            out.logits = out.logits.clone()   # each other fail when replayed from torch's compilation cache
+        return loss_sum(*at_read(at, logits, targets, weight)), out
 
     def open_log(self, progress: Optional[bool]) -> None:
         """Write config.yaml and run.json, open the metrics log, start the bar and the log window (restored from
@@ -287,25 +369,31 @@ class Trainer:
         fetched = [data.fetch(k, step) for k in np.array_split(mine, tc.grad_accum)]
         counts = [int((m["targets"] != IGNORE).sum()) if not m["targets"].dtype.is_floating_point
                   else int(m["weight"].sum()) for m in fetched]          # counted on the host, before the copy
-        micro = [_to(m, d.device) for m in fetched]
-        global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
-        k = 1 if n_read is None else n_read
         N = cfg.model.supervision_steps                          # deep supervision: N steps, each with its loss
         gated = cfg.model.exit_gate and tc.exit_loss_weight > 0
         per_loop_gate = gated and N == 1                         # the exit gate reads every loop (else every step)
+        if not gated and cfg.model.head != "sequence":           # the read-out only where the loss looks
+            for m in fetched:
+                at = read_positions(m)
+                if at is not None:
+                    m["read_at"] = at
+        micro = [_to(m, d.device) for m in fetched]
+        global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
+        k = 1 if n_read is None else n_read
+        step_timestep = cfg.model.step_timestep
+        return_all, read_loops = n_read is not None or per_loop_gate, None if per_loop_gate else n_read
         for i, mb in enumerate(micro):
-            run_steps = supervision_steps(self.net, mb["inputs"], N, R,
-                                          return_all=n_read is not None or per_loop_gate)
+            at = mb.get("read_at")                               # [n] | None: every position
+            targets = mb["targets"] if "step_targets" not in mb else \
+                loop_targets(mb["step_targets"], R, n_read)                      # [n_read,B,T] per-loop targets
+            state = None
             for j in range(N):                   # step j starts from step j-1's detached state; one step in memory
                 sync = i == len(micro) - 1 and j == N - 1
                 ctx = self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
                 with ctx:
                     with self.autocast():
-                        out = next(run_steps)
-                    logits = out.logits if n_read is None else out.all_logits[-n_read:]
-                    targets = mb["targets"] if "step_targets" not in mb else \
-                        loop_targets(mb["step_targets"], R, n_read)              # [n_read,B,T] per-loop targets
-                    s, _ = summed_loss(logits, targets, mb.get("weight"))
+                        s, out = self.forward_loss(mb["inputs"], state, step_offset(step_timestep, j, R), at, targets,
+                                                   mb.get("weight"), R, return_all, read_loops, n_read)
                     loss = s * (d.world / (global_count * k * N))
                     if gated:   # a mean over this micro-batch: DDP averages it over processes
                         gate = unwrap(self.model).exit_gate                # the gate reads, never steers: detached
@@ -319,10 +407,12 @@ class Trainer:
                         loss.backward()
                 with torch.no_grad():
                     self.acc_loss += s.detach().to(self.acc_dtype) / (k * N)
+                state = out.hidden.detach()
             with torch.no_grad():
                 if data.classifies:
-                    mask = mb["targets"] != IGNORE
-                    self.acc_correct += ((out.logits.argmax(-1) == mb["targets"]) & mask).sum().to(self.acc_dtype)
+                    logits, targets, _ = at_read(at, out.logits, mb["targets"])
+                    mask = targets != IGNORE
+                    self.acc_correct += ((logits.argmax(-1) == targets) & mask).sum().to(self.acc_dtype)
                 self.acc_count += counts[i]
                 self.acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]
         self.last_micro = micro[-1]
@@ -430,7 +520,8 @@ class Trainer:
                 "name": cfg.name, "task": self.data.describe(), "variant": cfg.model.variant,
                 "loops": cfg.model.loops, "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep,
                 "d_model": cfg.model.d_model, "params": unwrap(self.model).num_params(), "steps": self.total,
-                "batch_size": self.B, "train_time_s": self.train_time, "metric": final["metric"],
+                "batch_size": self.B, "train_time_s": self.train_time,
+                "compiled": self.compiled is not None, "compile_s": self.compile_s, "metric": final["metric"],
                 "higher_is_better": final["higher_is_better"], "test": final["metrics"],
                 "loopwise": final["loopwise"], "max_loops": final["max_loops"], "world_size": d.world,
                 "device": str(d.device), "seed": cfg.seed, "supervision_steps": cfg.model.supervision_steps,
