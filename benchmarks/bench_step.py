@@ -11,7 +11,8 @@ difference of the first steps' losses from the first source's (the same math giv
         --case looped= --case tmlt=model.timestep=true --reps 5
 
 A source is this checkout (`.`) or a commit (extracted with `git archive` into a temporary folder). Workers run
-with one thread each (`--threads`), one at a time.
+with one thread each (`--threads`), one at a time. With `--device cuda` each timed step ends with a synchronisation;
+`benchmarks/gpu.sh` is the GPU set (compilation, CUDA graphs of the step, bf16).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------------- worker
-def worker(config: str, overrides: list[str], threads: int, warmup: int) -> None:
+def worker(config: str, overrides: list[str], threads: int, warmup: int, device: str) -> None:
     """Build the config's trainer, run `warmup` steps (reporting their losses and time), then run steps on
     request: a line "N" on stdin → N steps, their times as one JSON line on stdout."""
     import torch
@@ -43,23 +44,26 @@ def worker(config: str, overrides: list[str], threads: int, warmup: int) -> None
     torch.set_num_threads(threads)
     out = tempfile.mkdtemp(prefix="bench-step-")
     try:
-        cfg = load_run_config(config, [*overrides, f"out_dir={out}/run", f"threads={threads}", "device=cpu"])
-        t = Trainer(cfg, setup("cpu"), resume=False)
+        cfg = load_run_config(config, [*overrides, f"out_dir={out}/run", f"threads={threads}", f"device={device}"])
+        t = Trainer(cfg, setup(device), resume=False)
         t.open_log(False)
         t.wrap()
+        sync = torch.cuda.synchronize if t.d.device.type == "cuda" else (lambda: None)
         step, losses, t0 = 0, [], time.perf_counter()
         for _ in range(warmup):
             before = float(t.acc_loss)
             t.step(step)
-            losses.append(float(t.acc_loss) - before)
+            losses.append(float(t.acc_loss) - before)                        # (a host sync on a GPU)
             step += 1
         print(json.dumps({"warmup_s": time.perf_counter() - t0, "losses": losses,
                           "params": sum(p.numel() for p in t.model.parameters())}), flush=True)
         for line in sys.stdin:
             n, times = int(line), []
             for _ in range(n):
+                sync()
                 s0 = time.perf_counter()
                 t.step(step)
+                sync()
                 times.append(time.perf_counter() - s0)
                 step = (step + 1) % t.total
             print(json.dumps(times), flush=True)
@@ -81,7 +85,7 @@ def source_dir(src: str, tmp: Path) -> Path:
 def start(src: Path, config: str, overrides: list[str], args) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", config, *overrides,
-           "--threads", str(args.threads), "--warmup", str(args.warmup)]
+           "--threads", str(args.threads), "--warmup", str(args.warmup), "--device", args.device]
     return subprocess.Popen(cmd, cwd=src, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -98,10 +102,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=10, help="steps per turn")
     ap.add_argument("--warmup", type=int, default=5, help="steps before timing (compilation happens here)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (the run config's device choices)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.config, args.overrides, args.threads, args.warmup)
+        return worker(args.config, args.overrides, args.threads, args.warmup, args.device)
 
     cases = [c.split("=", 1) for c in args.case] or [["config", ""]]
     sources = [*args.against, *([] if args.no_current else ["."])]
@@ -124,8 +129,8 @@ def main() -> None:
             w.stdin.close()
             w.wait()
 
-    print(f"{args.config} {' '.join(args.overrides)}: {args.reps} rounds x {args.chunk} steps, "
-          f"{args.threads} thread(s); ratio = first source's step time / this one's\n")
+    print(f"{args.config} {' '.join(args.overrides)}: {args.reps} rounds x {args.chunk} steps on {args.device}, "
+          f"{args.threads} thread(s); speed-up = the first source's step time / this one's, per case\n")
     print("| case | source | params | ms/step (median) | [p10-p90] | speed-up | first "
           f"{args.warmup} steps (s) | max rel. loss diff |")
     print("|---|---|---:|---:|---|---:|---:|---:|")

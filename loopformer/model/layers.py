@@ -42,6 +42,13 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def scaled_norm(norm: nn.Module, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """(1 + s) ⊙ norm(x) — TMLT's α ⊙ RMSN(x) — with α folded into the RMSNorm's gain: one pass over x."""
+    if isinstance(norm, RMSNorm):
+        return rms_norm(x, 1 + s if norm.weight is None else norm.weight * (1 + s), norm.eps)
+    return norm(x) * (1 + s)
+
+
 def make_norm(cfg: ModelConfig, gain: Optional[bool] = None) -> nn.Module:
     if cfg.norm == "none":
         return nn.Identity()
@@ -214,8 +221,8 @@ class Layer(nn.Module):
             x = x + self.attn(self.norm1(x), mask, cache, slot)
             return x + self.mlp(self.norm2(x))
         gate_attn, gate_mlp, scale_attn, scale_mlp = mod
-        x = x + gate_attn * self.attn(self.norm1(x) * (1 + scale_attn), mask, cache, slot)
-        return x + gate_mlp * self.mlp(self.norm2(x) * (1 + scale_mlp))
+        x = torch.addcmul(x, gate_attn, self.attn(scaled_norm(self.norm1, x, scale_attn), mask, cache, slot))
+        return torch.addcmul(x, gate_mlp, self.mlp(scaled_norm(self.norm2, x, scale_mlp)))
 
 
 class AuthorsLoopedLayer(Layer):

@@ -29,6 +29,7 @@ EXIT_LOSSES = ("target", "distribution")
 SCHEDULES = ("linear", "cosine", "constant", "onecycle")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 COMPILE = ("auto", "true", "false")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
@@ -63,6 +64,8 @@ class TrainConfig:
     compile: str = "auto"             # torch.compile the training step (forward, loss, backward) at the final loop
                                       # count: auto (on for runs of >= 1,000 such steps on a CUDA GPU or on a CPU
                                       # with a C++ compiler; off if compiling fails) | true | false
+    compile_mode: str = "default"     # torch.compile's mode: default | reduce-overhead (CUDA graphs of the step,
+                                      # for small models on a GPU) | max-autotune
     timestep_lr_mult: float = 0.1     # lr multiplier of the timestep embedder and the modulations (TMLT); 1: the
                                       # paper's single learning rate. See docs/tmlt-study.md
     timestep_weight_decay: Optional[float] = None  # their weight decay (None: weight_decay)
@@ -94,6 +97,8 @@ class TrainConfig:
         _need(self.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS} (got {self.precision!r})")
         self.compile = str(self.compile).lower()          # a YAML boolean arrives as "True" / "False"
         _need(self.compile in COMPILE, f"train.compile must be one of {COMPILE} (got {self.compile!r})")
+        _need(self.compile_mode in COMPILE_MODES,
+              f"train.compile_mode must be one of {COMPILE_MODES} (got {self.compile_mode!r})")
         _need(self.timestep_lr_mult > 0, f"train.timestep_lr_mult must be > 0 (got {self.timestep_lr_mult})")
         _need(self.timestep_weight_decay is None or self.timestep_weight_decay >= 0,
               "train.timestep_weight_decay must be >= 0 (or null)")

@@ -284,7 +284,8 @@ class Trainer:
         if self.d.active:
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.d.device] if self.d.device.type == "cuda" else None)
-        self.compiled = torch.compile(self._forward_loss) if compiles(self.cfg, self.d.device, self.total) else None
+        self.compiled = torch.compile(self._forward_loss, mode=self.cfg.train.compile_mode) \
+            if compiles(self.cfg, self.d.device, self.total) else None
         self.compile_s = 0.0                     # seconds of the first compiled step (compilation included)
 
     def forward_loss(self, *args) -> tuple[torch.Tensor, LoopOutput]:
