@@ -147,6 +147,35 @@ def test_generation_exits_save_loops_and_fixed_depth_is_unchanged():
     assert early.exit_loops.float().mean() < 6
 
 
+@pytest.mark.parametrize("rule", ["kl:0.05", "entropy:2.0", "gate:0.5", "argmax:1", "latent:0.8,max=5"])
+def test_depthwise_batched_generation_gives_the_tokens_of_the_step_schedule(rule):
+    m = model(True, seed=1)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11], [12]]
+    step = generate(m, prompts, SamplingConfig(max_new_tokens=9, temperature=0, halt=rule, schedule="step"))
+    deep = generate(m, prompts, SamplingConfig(max_new_tokens=9, temperature=0, halt=rule))     # depth-wise
+    full = generate(m, prompts, SamplingConfig(max_new_tokens=9, temperature=0, halt=rule), use_cache=False)
+    assert deep.tokens == step.tokens == full.tokens
+    assert deep.exit_loops.tolist() == step.exit_loops.tolist()
+    assert len(set(deep.exit_loops.flatten().tolist())) >= 2                      # rows at different loops
+    # with fewer loops than trained, and an end-of-sequence token that stops one row early
+    eos = step.tokens[1][3]
+    few = [generate(m, prompts, SamplingConfig(max_new_tokens=9, temperature=0, halt=rule, loops=4, schedule=s),
+                    eos_id=eos) for s in ("step", "depthwise")]
+    assert few[0].tokens == few[1].tokens and few[0].finished == few[1].finished and any(few[1].finished)
+    for a, b, toks in zip(few[0].exit_loops.tolist(), few[1].exit_loops.tolist(), few[1].tokens):
+        assert a[:len(toks)] == b[:len(toks)] and max(b) <= 4 and all(x == 0 for x in b[len(toks):])
+
+
+def test_depthwise_generation_samples_reproducibly():
+    m = model(True, seed=1)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    cfg = SamplingConfig(max_new_tokens=7, temperature=1.0, top_k=5, seed=3, halt="gate:0.5")
+    a, b = generate(m, prompts, cfg), generate(m, prompts, cfg)
+    assert a.tokens == b.tokens and all(len(t) == 7 and all(0 <= x < 17 for x in t) for t in a.tokens)
+    with pytest.raises(UserError, match="schedule"):
+        SamplingConfig(halt="gate:0.5", schedule="sideways")
+
+
 def test_bad_halting_arguments():
     with pytest.raises(UserError, match="halting"):
         SamplingConfig(halt="kl")

@@ -231,12 +231,15 @@ def update_streak(streak: torch.Tensor, holds: torch.Tensor) -> torch.Tensor:
     return (streak + 1) * holds
 
 
-def stops(rule: HaltRule, streak: torch.Tensor, t: int, loops: int) -> torch.Tensor:
+def stops(rule: HaltRule, streak: torch.Tensor, t: int | torch.Tensor, loops: int) -> torch.Tensor:
     """Which rows stop after loop t (1-based) of a call of `loops` loops: the criterion has held `patience` loops
-    in a row and t ≥ min_loops, or t is the last allowed loop (`rule.bound(loops)`).  streak [N] -> [N] bool."""
-    if t >= rule.bound(loops):
-        return torch.ones_like(streak, dtype=torch.bool)
-    return (streak >= rule.patience) & (t >= rule.min_loops)
+    in a row and t ≥ min_loops, or t is the last allowed loop (`rule.bound(loops)`).  streak [N] -> [N] bool;
+    t: one loop for all rows, or each row's own [N] (depth-wise batching)."""
+    if isinstance(t, int):
+        if t >= rule.bound(loops):
+            return torch.ones_like(streak, dtype=torch.bool)
+        return (streak >= rule.patience) & (t >= rule.min_loops)
+    return (t >= rule.bound(loops)) | ((streak >= rule.patience) & (t >= rule.min_loops))
 
 
 # ------------------------------------------------------------------------------------------------- the exit gate

@@ -43,8 +43,9 @@ class RMSNorm(nn.Module):
 
 
 def scaled_norm(norm: nn.Module, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(1 + s) ⊙ norm(x) — TMLT's α ⊙ RMSN(x) — with α folded into the RMSNorm's gain: one pass over x."""
-    if isinstance(norm, RMSNorm):
+    """(1 + s) ⊙ norm(x) — TMLT's α ⊙ RMSN(x) — with α [D] folded into the RMSNorm's gain: one pass over x
+    (a scale per row, [B,1,D], multiplies the normalised x)."""
+    if isinstance(norm, RMSNorm) and s.dim() == 1:
         return rms_norm(x, 1 + s if norm.weight is None else norm.weight * (1 + s), norm.eps)
     return norm(x) * (1 + s)
 
@@ -148,6 +149,43 @@ class RunningKV:
             for buf in (c.k, c.v):
                 val = buf[src, rows, :, start:end]                               # [m,H,T,Dh]
                 buf[later[:, None], rows[None, :], :, start:end] = val.unsqueeze(0).expand(len(later), *val.shape)
+
+
+class DepthwiseKV:
+    """The rows of a `KVCache` in depth-wise batched generation: every row computes one new token, each at its own
+    loop t_i ([n]) and its own column c_i ([n]). `update` writes the token's keys/values into its slot t_i·k + layer
+    and returns each row's keys/values of that slot up to column `width` − 1 ([n,H,width,Dh]; the caller's mask
+    hides the columns past c_i)."""
+
+    def __init__(self, cache: KVCache, rows: torch.Tensor, loops: torch.Tensor, cols: torch.Tensor, layers: int,
+                 width: int):
+        self.cache, self.rows, self.cols, self.width = cache, rows, cols, width
+        self.base = loops * layers                                             # [n] slot of layer 0 at loop t_i
+
+    def update(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cache
+        at = (self.base + slot) * c.k.shape[1] + self.rows                     # [n] in the (slot, row) axis
+        out = []
+        for buf, new in ((c.k, k), (c.v, v)):                                  # k, v: [n,H,1,Dh]
+            flat = buf.view(-1, *buf.shape[2:])                                # [R·k·B,H,L,Dh]
+            flat[at, :, self.cols] = new[:, :, 0]
+            out.append(flat[:, :, :self.width].index_select(0, at))           # [n,H,width,Dh]
+        return out[0], out[1]
+
+
+def freeze_later_loops(cache: KVCache, rows: torch.Tensor, cols: torch.Tensor, exits: torch.Tensor,
+                       layers: int) -> None:
+    """Tokens that stopped after loop exits_i (1-based; rows [m], columns [m]): their keys/values of that loop fill
+    every later loop's slots, the entries later tokens read (`RunningKV`'s policy)."""
+    loops = cache.slots // layers
+    later = torch.arange(loops, device=rows.device)[None] >= exits[:, None]   # [m,R]: loop index >= exit loop
+    i, lp = later.nonzero(as_tuple=True)                                       # pairs (token, later loop)
+    if i.numel() == 0:
+        return
+    r, c, src = rows[i], cols[i], (exits[i] - 1) * layers
+    for j in range(layers):
+        for buf in (cache.k, cache.v):
+            buf[lp * layers + j, r, :, c] = buf[src + j, r, :, c]
 
 
 class Attention(nn.Module):

@@ -17,6 +17,14 @@ its deepest computed loop's keys/values (the policy of Huginn's per-token exits)
 (`loopformer.model.layers.RunningKV`). A recomputation without the cache follows the same policy, so cached and
 recomputed generation agree. Rows whose new token has stopped leave the batch for the remaining loops.
 
+Depth-wise batching (`SamplingConfig.schedule="depthwise"`, the default with a halting rule and the cache): after
+the prompts, rows no longer advance together. Each row computes its current token one loop per tick, each at a loop
+of its own; a row whose token stops samples its next token at once and starts it at loop 1 in the next tick, so the
+batch stays full and a token costs its own loops, not the slowest row's (`LoopedTransformer.loop_rows`). Every
+token sees the same keys and values as in the step-by-step schedule ("step"), so greedy decoding gives the same
+tokens; with sampling the rows draw from the generator in another order. A single prompt (nothing to regroup) and
+`return_logits` use the step schedule.
+
 Sampling (`sample_next`): logits / temperature (0 = greedy), then top-k (keep the k largest), then top-p (keep the
 smallest set of tokens whose probability reaches p), then one draw from a seeded `torch.Generator` — the same seed
 gives the same text.
@@ -34,7 +42,8 @@ import torch
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
-from loopformer.model.halting import HaltRule
+from loopformer.model.halting import NEEDS_PREVIOUS, HaltRule, criterion_holds, stops, update_streak
+from loopformer.model.layers import freeze_later_loops
 from loopformer.model.memory import check_fits, check_loops, estimate
 
 
@@ -48,6 +57,7 @@ class SamplingConfig:
     stop_at_eos: bool = True
     loops: Optional[int] = None     # loops at inference (default: the model's)
     halt: Optional[str] = None      # adaptive depth per token, a halting rule such as "kl:1e-3" (None: fixed depth)
+    schedule: str = "depthwise"     # with `halt` and the cache: "depthwise" (each row at its own loop) | "step"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -62,6 +72,8 @@ class SamplingConfig:
             raise UserError(f"loops must be >= 1 (got {self.loops})")
         if self.halt is not None:
             HaltRule.parse(self.halt)
+        if self.schedule not in ("depthwise", "step"):
+            raise UserError(f"schedule must be 'depthwise' or 'step' (got {self.schedule!r})")
 
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> torch.Tensor:
@@ -163,6 +175,12 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
             loops = cfg.loops or (kw["halt"].max_loops if cfg.halt is not None else None)
             cache = model.new_cache(B, max_len=P + N, loops=loops)
             logits = last(model(idx, attn_mask=mask, cache=cache, **kw))                # [B,V]
+            if cfg.halt is not None and cfg.schedule == "depthwise" and B > 1 and not return_logits:
+                nxt = sample_next(logits, cfg.temperature, cfg.top_k, cfg.top_p, gen)     # [B]
+                toks, exits = depthwise_decode(model, cache, mask, nxt, exit_loops[0], kw["halt"], N, cfg, gen,
+                                               eos_id, progress)
+                return Generation(tokens=toks, logits=None, finished=[eos_id is not None and eos_id in t
+                                                                      for t in toks], exit_loops=exits.cpu())
         else:
             logits = last(model(idx, attn_mask=mask, **kw))
         for step in tqdm(range(N), desc="generating", unit="tok", disable=not progress):
@@ -192,6 +210,61 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
     return Generation(tokens=toks, logits=torch.stack(all_logits, 1) if return_logits else None,
                       finished=[bool(f) for f in finished.tolist()],
                       exit_loops=torch.stack(exit_loops[:len(out_tokens[0])], 1).cpu() if exit_loops else None)
+
+
+@torch.no_grad()
+def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, first_exits: torch.Tensor,
+                     rule: HaltRule, N: int, cfg: SamplingConfig, gen: torch.Generator, eos_id: Optional[int] = None,
+                     progress: bool = False) -> tuple[list[list[int]], torch.Tensor]:
+    """Depth-wise batched decoding with per-token exits (module docstring) after the prompts are in `cache`
+    (mask [B,P]): each row starts from its first new token `first` [B] (sampled after `first_exits` [B] loops).
+    Returns each row's new tokens (up to N, and up to and including EOS when `cfg.stop_at_eos`) and the loops
+    each one's logits took [B,N] (0 where a row stopped early)."""
+    B, P = mask.shape
+    dev, k, R = mask.device, len(model.blocks), cache.loops
+    bound = min(rule.bound(R), R)
+    positions = model.config.indexed_positions
+    real = torch.cat([mask, torch.ones(B, N, dtype=torch.bool, device=dev)], dim=1)     # [B,P+N] real columns
+    plen = mask.sum(1)                                                                  # [B] real prompt tokens
+    tok, n = first.clone(), torch.zeros(B, dtype=torch.long, device=dev)               # current token, its index
+    t, streak = torch.zeros_like(n), torch.zeros_like(n)                               # its loops so far
+    out = torch.zeros(B, N, dtype=torch.long, device=dev)
+    exits = torch.zeros(B, N, dtype=torch.long, device=dev)
+    out[:, 0], exits[:, 0] = first, first_exits
+    h = torch.zeros(B, 1, model.config.d_model, device=dev, dtype=cache.k.dtype)       # [B,1,D]
+    e, prev_logits, rows = torch.zeros_like(h), None, torch.arange(B, device=dev)
+    stop_eos = cfg.stop_at_eos and eos_id is not None
+    done = torch.full((B,), N == 1, dtype=torch.bool, device=dev) | (stop_eos & (first == eos_id))
+    bar = tqdm(total=B * (N - 1), desc="generating", unit="tok", disable=not progress)
+    while not bool(done.all()):        # one tick: every row one loop further (rows that are done idle along)
+        starts = (t == 0)[:, None, None]                                                # rows starting a token
+        pos = (plen + n)[:, None] if positions else None                                # as the left-padded path
+        e = torch.where(starts, model.embed(tok[:, None], pos), e)
+        h_prev = torch.where(starts, e, h)
+        h = model.loop_rows(h_prev, e, t, cache, rows, P + n, real)
+        logits = model.head(model.norm_f(h)) if rule.needs_read_out else None            # [B,1,V]
+        holds = criterion_holds(rule, hidden=h, hidden_prev=h_prev, logits=logits, logits_prev=prev_logits,
+                                stop_logits=None if model.exit_gate is None else model.exit_gate(h))
+        if rule.criterion in NEEDS_PREVIOUS:
+            holds = holds & (t > 0)                                                     # nothing to compare yet
+        prev_logits = logits
+        streak = update_streak(streak, holds)
+        t = torch.where(done, 0, t + 1)                                                 # done rows idle at loop 1
+        stop = (stops(rule, streak, t, bound) | (t >= bound)) & ~done
+        if not bool(stop.any()):
+            continue
+        fin = stop.nonzero().squeeze(1)                                                 # tokens done: the next
+        freeze_later_loops(cache, fin, P + n[fin], t[fin], k)
+        read = logits[fin] if logits is not None else model.head(model.norm_f(h[fin]))
+        nxt = sample_next(read[:, -1], cfg.temperature, cfg.top_k, cfg.top_p, gen)
+        n[fin] += 1
+        out[fin, n[fin]], exits[fin, n[fin]] = nxt, t[fin]
+        tok[fin], t[fin], streak[fin] = nxt, 0, 0
+        done[fin] = (n[fin] == N - 1) | (stop_eos & (nxt == eos_id))
+        bar.update(fin.numel())
+    bar.close()
+    count = (n + 1).tolist()
+    return [row[:c] for row, c in zip(out.tolist(), count)], exits
 
 
 def generate_text(model, tokenizer, prompts: Sequence[str], cfg: Optional[SamplingConfig] = None,
