@@ -139,7 +139,7 @@ def test_compiled_step_trains_like_the_eager_step(tmp_path):
 
 
 def test_auto_falls_back_to_eager_when_compiling_fails(tmp_path, monkeypatch, capsys):
-    def broken(fn):
+    def broken(fn, **kw):
         def call(*args):
             raise RuntimeError("no compiler here\nsecond line")
         return call

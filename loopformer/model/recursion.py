@@ -10,7 +10,8 @@ With input injection the read-in e is added before every loop, so at inference (
 N steps of r loops are exactly one forward pass of N·r loops; a TMLT model reads the loop index counting on
 across steps (`ModelConfig.step_timestep = "continue"`) or restarting at every step ("restart": the same r
 modulations each step, the model's `loop_indices` takes t mod r). So evaluation after any number of steps is the
-loop-wise curve of the model taken at multiples of r, and the trainer only needs `supervision_steps` below.
+loop-wise curve of the model taken at multiples of r. `supervision_steps` below runs the N steps; the trainer runs
+them one by one with the same loop offsets (`step_offset`) inside its compiled forward-and-loss.
 
 Halting across steps (TRM's halting head): a model with an exit gate (`ModelConfig.exit_gate`,
 `loopformer.model.halting.ExitGate`) trained with N > 1 steps learns, after every step, the halting target "the

@@ -288,11 +288,13 @@ class Trainer:
             if compiles(self.cfg, self.d.device, self.total) else None
         self.compile_s = 0.0                     # seconds of the first compiled step (compilation included)
 
-    def forward_loss(self, *args) -> tuple[torch.Tensor, LoopOutput]:
+    def forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
+                     targets: torch.Tensor, weight: Optional[torch.Tensor], R: int, return_all: bool,
+                     read_loops: Optional[int], n_read: Optional[int]) -> tuple[torch.Tensor, LoopOutput]:
         """`_forward_loss`, compiled at the model's final loop count when `compiles` says so (a loop curriculum's
         shorter steps stay eager: each loop count would be a graph of its own). With train.compile=auto a
         compilation that fails falls back to eager with one warning."""
-        R = args[6]
+        args = (x, state, offset, at, targets, weight, R, return_all, read_loops, n_read)
         if self.compiled is None or R != self.cfg.model.loops:
             return self._forward_loss(*args)
         if self.compile_s:
