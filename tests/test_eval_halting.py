@@ -130,3 +130,60 @@ def test_a_rule_with_its_own_max_runs_up_to_it():
     assert [q["mean_loops"] for q in res["rules"]] == [6, 2] and res["loops"] == 4
     res = evaluate_halting(model, data, ["kl:0,max=6"], loops=3, batch_size=64, limit=20)
     assert res["rules"][0]["mean_loops"] == 3                         # an explicit loop count bounds every rule
+
+
+# ------------------------------------------------------------------------------------------------ other data
+def _perturbed(model: LoopedTransformer, scale: float = 0.3) -> LoopedTransformer:
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model.eval()
+
+
+def test_halting_on_in_context_learning_scores_each_prompt_point_by_hand():
+    cfg = load_run_config(None, ["task.name=icl", "task.options={function_class: linear, n_dims: 3}", "task.points=6",
+                                 "task.n_test=40", "model.d_model=16", "model.n_heads=2", "model.loops=4",
+                                 "model.input_injection=true"])
+    model, data = _perturbed(LoopedTransformer(cfg.model)), make_data(cfg.task)
+    res = evaluate_halting(model, data, ["latent:0.55", "latent:0"], batch_size=16)
+    t = data.as_tensors({k: v for k, v in data.test.items()}, torch.device("cpu"))
+    counted = t["weight"] > 0                                                         # the prediction positions
+    with torch.no_grad():
+        out = model(t["inputs"], halt="latent:0.55")                                   # per token: causal
+        fixed = model(t["inputs"]).logits
+    assert out.exit_loops.shape == counted.shape and len(set(out.exit_loops[counted].tolist())) >= 2
+    sq = ((out.logits[..., 0] - t["targets"]) ** 2 * t["weight"]).sum() / t["weight"].sum()
+    r, never = res["rules"]
+    assert res["metric"] == "mse" and not res["higher_is_better"]
+    assert r["metrics"]["mse"] == pytest.approx(sq.item() / data.error_scale, rel=1e-5)
+    assert r["mean_loops"] == pytest.approx(out.exit_loops[counted].float().mean().item())
+    fixed_sq = ((fixed[..., 0] - t["targets"]) ** 2 * t["weight"]).sum() / t["weight"].sum()
+    assert res["fixed"]["metrics"]["mse"] == pytest.approx(fixed_sq.item() / data.error_scale, rel=1e-5)
+    assert never["mean_loops"] == 4 and never["metrics"] == pytest.approx(res["fixed"]["metrics"])
+
+
+def test_halting_on_text_is_per_token_perplexity(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question"]
+    (tmp_path / "t.txt").write_text("".join(" ".join(rng.choice(words, 7)) + "\n" for _ in range(120)))
+    assert main(["text", "prepare", str(tmp_path / "t.txt"), "--out", str(tmp_path / "data"), "--vocab-size", "280",
+                 "--quiet"]) == 0
+    cfg = load_run_config(None, ["task.name=text", f"task.data_dir={tmp_path / 'data'}", "task.block_size=16",
+                                 "task.eval_windows=6", "model.d_model=16", "model.n_heads=2", "model.loops=4",
+                                 "model.timestep=true"])
+    model, data = _perturbed(LoopedTransformer(cfg.model)), make_data(cfg.task)
+    res = evaluate_halting(model, data, ["entropy:4.7", "kl:0"], batch_size=4)
+    batches = list(data.test_batches(100))
+    x = torch.as_tensor(batches[0]["inputs"])
+    y = torch.as_tensor(batches[0]["targets"])
+    with torch.no_grad():
+        out = model(x, halt="entropy:4.7")
+    nll = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1))
+    r, never = res["rules"]
+    assert len(set(out.exit_loops.flatten().tolist())) >= 2                          # tokens stop at different loops
+    assert r["metrics"]["ppl"] == pytest.approx(float(nll.exp()), rel=1e-5) and r["metrics"]["tokens"] == y.numel()
+    assert r["mean_loops"] == pytest.approx(out.exit_loops.float().mean().item())
+    assert never["mean_loops"] == 4 and never["metrics"]["ppl"] == pytest.approx(res["fixed"]["metrics"]["ppl"])
+    worse = {**res, "rules": [{**r, "metrics": {"ppl": res["fixed"]["metrics"]["ppl"] + 1}}]}
+    assert best_rule(worse, max_loss=0.5) is None                                  # lower is better for perplexity

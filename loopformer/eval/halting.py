@@ -54,13 +54,15 @@ def _timed(fn, clock: dict[str, float], name: str, device: torch.device):
 
 
 def side_by_side(forwards: dict[str, Any], data: DataSource, batch_size: int, limit: int, device: torch.device,
-                 progress: bool) -> dict[str, tuple[dict[str, float], Optional[np.ndarray]]]:
+                 progress: bool, out_dim: int = 1) -> dict[str, tuple[dict[str, float], Optional[np.ndarray]]]:
     """For each named forward `f(x, positions) -> LoopOutput` (x the inputs of a test batch, positions [b,T] the
     supervised positions), its metrics on the test split and the exit loop of every counted unit (a row, or a
     supervised token when `exit_loops` is per token; None without exits). The forwards take turns on every batch,
-    so their wall times (measured by the caller) see the same machine state. Token tasks."""
+    so their wall times (measured by the caller) see the same machine state. Token tasks compare predicted classes
+    (`metrics`); other data (in-context learning: the prediction positions; text: every token) is scored by the
+    source from each forward's logits (`score` / `summarize`, as fixed-depth evaluation does)."""
     if data.kind != "tokens":
-        raise UserError(f"evaluation with adaptive depth supports token tasks, not {data.kind} data")
+        return _side_by_side_scored(forwards, data, batch_size, limit, device, progress, out_dim)
     preds: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
     exits: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
     full = data.test_rows(limit)
@@ -76,6 +78,27 @@ def side_by_side(forwards: dict[str, Any], data: DataSource, batch_size: int, li
                 e = out.exit_loops if out.exit_loops.dim() == 1 else out.exit_loops[supervised]
                 exits[name].append(e.cpu().numpy())
     return {k: (data.metrics(np.concatenate(preds[k]), full), np.concatenate(exits[k]) if exits[k] else None)
+            for k in forwards}
+
+
+def _side_by_side_scored(forwards: dict[str, Any], data: DataSource, batch_size: int, limit: int,
+                         device: torch.device, progress: bool, out_dim: int
+                         ) -> dict[str, tuple[dict[str, float], Optional[np.ndarray]]]:
+    """`side_by_side` for sources that score read-outs themselves (the model's `out_dim` outputs per position):
+    the counted positions are those with a weight (regression) or every position (text)."""
+    parts: dict[str, list] = {k: [] for k in forwards}
+    exits: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
+    for batch in tqdm(list(data.eval_batches(batch_size, limit, 1, out_dim)), desc="eval", disable=not progress,
+                      leave=False):
+        t = data.as_tensors(batch, device)
+        counted = t["weight"] > 0 if "weight" in t else torch.ones_like(t["targets"], dtype=torch.bool)   # [b,T]
+        for name, forward in forwards.items():
+            out = forward(t["inputs"], counted)
+            parts[name].append(data.score(out.logits[None], batch))                        # one read-out each
+            if out.exit_loops is not None:
+                e = out.exit_loops if out.exit_loops.dim() == 1 else out.exit_loops[counted]
+                exits[name].append(e.cpu().numpy())
+    return {k: (data.summarize(parts[k], limit, 0)[0], np.concatenate(exits[k]) if exits[k] else None)
             for k in forwards}
 
 
@@ -108,9 +131,8 @@ def evaluate_halting(model: torch.nn.Module, data: DataSource, rules: Sequence[H
                                   str(r), device)
     try:
         first = next(data.test_batches(min(batch_size, 8), 8))          # warm-up: first-call costs are not timed
-        warm = torch.as_tensor(np.asarray(first["inputs"], dtype=np.int64), device=device)
-        raw(warm, loops=R)
-        res = side_by_side(forwards, data, batch_size, limit, device, progress)
+        raw(data.as_tensors(first, device)["inputs"], loops=R)
+        res = side_by_side(forwards, data, batch_size, limit, device, progress, raw.config.out_dim)
     finally:
         raw.train(was_training)
     out_rules = []
@@ -121,8 +143,8 @@ def evaluate_halting(model: torch.nn.Module, data: DataSource, rules: Sequence[H
                           "mean_loops": mean, "p90_loops": float(np.percentile(exits, 90)),
                           "loops_saved": 1.0 - mean / R, "wall_s": clock[str(r)],
                           "speedup": clock["fixed"] / max(clock[str(r)], 1e-12)})
-    return {"loops": R, "metric": data.metric, "fixed": {"metrics": res["fixed"][0], "wall_s": clock["fixed"]},
-            "rules": out_rules}
+    return {"loops": R, "metric": data.metric, "higher_is_better": data.higher_is_better,
+            "fixed": {"metrics": res["fixed"][0], "wall_s": clock["fixed"]}, "rules": out_rules}
 
 
 def sweep_rules(criteria: Sequence[str], max_loops: Optional[int] = None) -> list[HaltRule]:
@@ -155,10 +177,11 @@ def halting_sweep(model: torch.nn.Module, data: DataSource, criteria: Sequence[s
 
 
 def best_rule(res: dict[str, Any], max_loss: float = 0.005) -> Optional[dict[str, Any]]:
-    """The rule with the fewest mean loops whose metric is at most `max_loss` below fixed depth (None: none)."""
-    m = res["metric"]
+    """The rule with the fewest mean loops whose metric is at most `max_loss` worse than fixed depth (below it, or
+    above it for a metric where lower is better; None: none)."""
+    m, sign = res["metric"], 1.0 if res.get("higher_is_better", True) else -1.0
     ref = res["fixed"]["metrics"][m]
-    ok = [r for r in res["rules"] if r["metrics"][m] >= ref - max_loss]
+    ok = [r for r in res["rules"] if sign * (r["metrics"][m] - ref) >= -max_loss]
     return min(ok, key=lambda r: r["mean_loops"]) if ok else None
 
 

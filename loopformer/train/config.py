@@ -115,7 +115,7 @@ class EvalConfig:
     max_loops: int = 0                # loop-wise evaluation up to this many loops (0: 2 × the trained loops)
     loopwise: bool = True             # record the metric after every loop t = 1..max_loops
     halt: list[str] = field(default_factory=list)   # halting rules (e.g. [kl:1e-3, entropy:0.2]) evaluated at the
-                                      # end next to fixed depth: results.json "halting" (token tasks)
+                                      # end next to fixed depth: results.json "halting"
     votes: int = 0                    # test-time augmentation for tasks that define it (Sudoku): predict this many
                                       # augmented copies besides the puzzle, map them back and vote per cell;
                                       # reported next to the plain metrics as voted_* (0: off)
