@@ -286,6 +286,9 @@ class Trainer:
                 self.model, device_ids=[self.d.device] if self.d.device.type == "cuda" else None)
         self.compiled = torch.compile(self._forward_loss, mode=self.cfg.train.compile_mode) \
             if compiles(self.cfg, self.d.device, self.total) else None
+        if self.compiled is not None and self.cfg.threads:
+            import torch._inductor.config as inductor   # heavy: only when compiling
+            inductor.compile_threads = self.cfg.threads  # the compiler's worker pool keeps to the thread budget
         self.compile_s = 0.0                     # seconds of the first compiled step (compilation included)
 
     def forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
