@@ -9,7 +9,7 @@
 #                                               #   TMLT at r = 4, 16, 32, seeds 0-2 (18 runs, ~3 min each at r = 32)
 #   bash scripts/depth_study.sh schedule-curve  # ... looped at r = 2 and 8, seed 0 (the rest of the depth curve)
 #   bash scripts/depth_study.sh pointer         # pointer chasing (16 symbols, 12 hops): looped and TMLT at r = 4, 16,
-#                                               #   32, seeds 0-2 (18 runs, ~11 min each at r = 32)
+#                                               #   32, seeds 0-2 (18 runs of 4,000 steps, ~15 min each at r = 32)
 #   bash scripts/depth_study.sh pointer-curve   # ... looped at r = 2 and 8, seed 0
 #   bash scripts/depth_study.sh word            # the word problem (S3, 16 elements): looped at r = 4, 16, 32, seed 0
 #   bash scripts/depth_study.sh distinct        # the circuit with 8 distinct layers (a block must act as different
