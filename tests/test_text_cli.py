@@ -102,6 +102,17 @@ def test_generate_cli(setup, capsys):
     one_line_error(capsys, "CRITERION:THRESHOLD")
 
 
+def test_generate_with_exits_in_both_schedules(setup, capsys):
+    tmp_path, corpus, model = setup
+    args = ["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--prompt", "the question whether",
+            "--max-new-tokens", "6", "--temperature", "0", "--halt", "entropy:5"]
+    assert main(args) == 0                                        # depth-wise by default
+    deep = capsys.readouterr().out
+    assert main(args + ["--schedule", "step"]) == 0 and capsys.readouterr().out == deep
+    assert deep.count("--- ") == 2
+    assert main(args + ["--schedule", "sideways"]) == 2
+
+
 def test_generate_from_a_run_folder_and_non_utf8_prompts(setup, capsys):
     tmp_path, corpus, model = setup
     save_checkpoint(tmp_path / "run" / "checkpoint", model, task={"name": "text", "data_dir": str(tmp_path / "data")})

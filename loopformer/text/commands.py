@@ -90,6 +90,9 @@ def _generate_parser(parent, help_suffix: str) -> None:
     p.add_argument("--no-memory-check", action="store_true",
                    help="skip the comparison of the model's and the cache's estimated size with the free memory")
     add_halt(p)
+    p.add_argument("--schedule", choices=["depthwise", "step"], default="depthwise",
+                   help="with --halt and several prompts: each prompt at a loop of its own (depthwise) or all "
+                        "advancing token by token (step); the same tokens under greedy decoding")
     add_device(p)
     p.set_defaults(func=_generate)
 
@@ -141,7 +144,8 @@ def _perplexity(args) -> int:
 
 def _generate(args) -> int:
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, loops=args.loops, halt=args.halt)
+                         top_p=args.top_p, seed=args.seed, loops=args.loops, halt=args.halt,
+                         schedule=args.schedule)
     device = pick_device(args.device)
     if not os.path.isdir(args.checkpoint):
         raise UserError(f"checkpoint not found: {args.checkpoint}")
