@@ -285,20 +285,20 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return out
 
     @torch.no_grad()
-    def loop_rows(self, h: torch.Tensor, e: torch.Tensor, t: torch.Tensor, cache: KVCache, rows: torch.Tensor,
-                  cols: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """One loop for rows that are each at a loop of their own (depth-wise batched generation,
-        `loopformer.text.generate`): row i computes its token at column cols_i of `cache` (row rows_i) in loop
-        t_i (0-based), attending to the real columns up to cols_i in that loop's slot.
+    def loop_rows(self, h: torch.Tensor, e: torch.Tensor, t: torch.Tensor, cache: KVCache, cols: torch.Tensor,
+                  real: torch.Tensor) -> torch.Tensor:
+        """One loop for every row of `cache`, each at a loop of its own (depth-wise batched generation,
+        `loopformer.text.generate`): row i computes its token at column cols_i in loop t_i (0-based), attending to
+        the real columns up to cols_i in that loop's slot.
 
-        h, e: [n,1,D] the rows' hidden states and read-ins; t, rows, cols: [n]; real: [n,S] bool, the columns that
-        hold real tokens. Returns the hidden states after the loop [n,1,D]."""
+        h, e: [B,1,D] the rows' hidden states and read-ins; t, cols: [B]; real: [B,S] bool, the columns that hold
+        real tokens. Returns the hidden states after the loop [B,1,D]."""
         inp = torch.where((t > 0)[:, None, None], h + e, h) if self.config.input_injection else h
-        if cache.mods is None and self.timestep is not None:
-            cache.mods = self.modulations(cache.loops, h.device)
-        mods = None if cache.mods is None else cache.mods[t].permute(1, 2, 0, 3).unsqueeze(-2)   # [k,4,n,1,D]
+        mods = self._loop_modulations(cache.loops, h.device, cache)                    # [R,k,4,D] | None
+        mods = None if mods is None else mods[t].permute(1, 2, 0, 3).unsqueeze(-2)     # [k,4,B,1,D]
         width = int(cols.max()) + 1
-        seen = real[:, :width] & (torch.arange(width, device=h.device)[None] <= cols[:, None])  # [n,width]
+        seen = real[:, :width] & (torch.arange(width, device=h.device)[None] <= cols[:, None])  # [B,width]
+        rows = torch.arange(h.shape[0], device=h.device)
         kv = DepthwiseKV(cache, rows, t, cols, len(self.blocks), width)
         return self._block(inp, mods, seen[:, None, None], kv, 0)
 

@@ -232,7 +232,7 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
     exits = torch.zeros(B, N, dtype=torch.long, device=dev)
     out[:, 0], exits[:, 0] = first, first_exits
     h = torch.zeros(B, 1, model.config.d_model, device=dev, dtype=cache.k.dtype)       # [B,1,D]
-    e, prev_logits, rows = torch.zeros_like(h), None, torch.arange(B, device=dev)
+    e, prev_logits = torch.zeros_like(h), None
     stop_eos = cfg.stop_at_eos and eos_id is not None
     done = torch.full((B,), N == 1, dtype=torch.bool, device=dev) | (stop_eos & (first == eos_id))
     bar = tqdm(total=B * (N - 1), desc="generating", unit="tok", disable=not progress)
@@ -241,7 +241,7 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
         pos = (plen + n)[:, None] if positions else None                                # as the left-padded path
         e = torch.where(starts, model.embed(tok[:, None], pos), e)
         h_prev = torch.where(starts, e, h)
-        h = model.loop_rows(h_prev, e, t, cache, rows, P + n, real)
+        h = model.loop_rows(h_prev, e, t, cache, P + n, real)
         logits = model.head(model.norm_f(h)) if rule.needs_read_out else None            # [B,1,V]
         holds = criterion_holds(rule, hidden=h, hidden_prev=h_prev, logits=logits, logits_prev=prev_logits,
                                 stop_logits=None if model.exit_gate is None else model.exit_gate(h))

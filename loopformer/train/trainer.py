@@ -110,7 +110,8 @@ def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
     if mode != "auto":
         return mode == "true"
     tc, R = cfg.train, cfg.model.loops
-    first = 0 if tc.loops_start <= 0 else next((s for s in range(total) if loops_at(tc, s, R) == R), total)
+    # the first step of the loop curriculum (`loops_at`) at R loops: after ceil((R − start) / increment) rises
+    first = 0 if tc.loops_start <= 0 else -(-max(0, R - tc.loops_start) // tc.loops_increment) * tc.loops_every
     if total - first < COMPILE_MIN_STEPS:
         return False
     if device.type == "cuda":
