@@ -1,6 +1,7 @@
 """The `loopformer eval` command: a checkpoint's test metrics and its metric after every loop (paper Table 2); with
 `--halt RULE` (repeatable) or `--halt-sweep CRITERIA` also adaptive depth: accuracy, loops used and wall time next
-to fixed depth (`loopformer.eval.halting`)."""
+to fixed depth (`loopformer.eval.halting`); with `--budgets 1,2,4,...` the metric when run with each loop budget,
+next to other runs (`--against`; `loopformer.eval.budgets`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional
 from loopformer.commandline import HALT_HELP, add_device, add_quiet, add_rows, parse_options
 from loopformer.configio import from_dict
 from loopformer.errors import UserError
+from loopformer.eval.budgets import budgets_plot, evaluate_budgets, format_budgets, parse_budgets
 from loopformer.eval.evaluate import check_eval_args, evaluate, format_results
 from loopformer.model.memory import loop_cap
 from loopformer.eval.halting import evaluate_halting, format_halting, halting_sweep, sweep_plot
@@ -68,13 +70,17 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
                         halt: list[str] | None = None, halt_sweep: list[str] | None = None,
                         timestep_past: str | None = None, ema: bool = False, votes: int = 0,
                         step_halt: float = 0.5, data_dir: Optional[str] = None,
-                        task_opts: Optional[dict] = None) -> dict:
+                        task_opts: Optional[dict] = None, budgets: Optional[list[int]] = None,
+                        against: Optional[list[str]] = None) -> dict:
     """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise); with `halt`
     rules also adaptive depth ("halting"), with `halt_sweep` criteria the sweep ("halting_sweep");
     `timestep_past` overrides the model's behaviour past its trained loops; `ema`: the averaged weights; `votes`:
     test-time augmentation with that many copies per test row; `step_halt`: the stop probability at which halting
     across supervision steps stops a row. `data_dir` / `task_opts`: evaluate on another dataset folder of the task,
-    or on a test split regenerated with other task options (`other_data`); results["data"] names the data."""
+    or on a test split regenerated with other task options (`other_data`); results["data"] names the data.
+    `budgets`: also the metrics when run with each loop budget (with the `halt` rules capped at each), for this
+    checkpoint and each of `against` (checkpoints of the same task, on the same data): results["budgets"]
+    {name: `evaluate_budgets` result}, this checkpoint first."""
     rules = [HaltRule.parse(h) for h in halt or []]
     for c in halt_sweep or []:
         if c not in CRITERIA:
@@ -109,10 +115,31 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     if rules:
         res["halting"] = evaluate_halting(model, data, rules, loops=loops, batch_size=batch_size, limit=limit,
                                           device=dev, progress=progress)
+    if budgets:
+        res["budgets"] = {run_name(p): evaluate_budgets(model, data, budgets, batch_size=batch_size, limit=limit,
+                                                        device=dev, progress=progress, halt=rules)}
+        for other in against or []:
+            q = resolve_checkpoint(other)
+            other_run = read_config(q)[1].get("run") or {}
+            if (other_run.get("task") or {}) != run["task"]:
+                raise UserError(f"--against {other}: it was trained on another task than {p} (compare runs of one "
+                                f"task config)")
+            name = run_name(q)
+            while name in res["budgets"]:
+                name += "'"
+            res["budgets"][name] = evaluate_budgets(load(q, device=dev), data, budgets, batch_size=batch_size,
+                                                    limit=limit, device=dev, progress=progress)
+    elif against:
+        raise UserError("--against compares loop budgets: give --budgets too")
     if halt_sweep:
         res["halting_sweep"] = halting_sweep(model, data, halt_sweep, loops=r, batch_size=batch_size, limit=limit,
                                              device=dev, progress=progress)
     return res
+
+
+def run_name(checkpoint: Path) -> str:
+    """A checkpoint's name in tables: its run folder's name (the folder itself when it is not a run's)."""
+    return checkpoint.parent.name if checkpoint.name == "checkpoint" else checkpoint.name
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -125,13 +152,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise UserError(f"--json {args.json} is a folder")
     sweep = None if args.halt_sweep is None else \
         (list(CRITERIA) if args.halt_sweep == "all" else [c.strip() for c in args.halt_sweep.split(",")])
-    if args.plot and not sweep:
-        raise UserError("--plot draws the --halt-sweep; give --halt-sweep CRITERIA")
+    if args.plot and not sweep and not args.budgets:
+        raise UserError("--plot draws the --halt-sweep or the --budgets; give one of them")
+    if args.plot and sweep and args.budgets:
+        raise UserError("--plot draws one figure: give --halt-sweep or --budgets, not both")
+    budgets = parse_budgets(args.budgets) if args.budgets is not None else None
     res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device, args.n, args.batch_size,
                               loopwise=not args.no_loopwise, progress=not args.quiet, halt=args.halt,
                               halt_sweep=sweep, timestep_past=args.past_r, ema=args.ema, votes=args.votes,
                               step_halt=args.step_halt, data_dir=args.data,
-                              task_opts=parse_options(args.task_opt, "--task-opt") if args.task_opt else None)
+                              task_opts=parse_options(args.task_opt, "--task-opt") if args.task_opt else None,
+                              budgets=budgets, against=args.against)
     per = res["stepwise"][0]["loop"] if res["stepwise"] else 0
     steps = f"{res['trained_loops'] // per} supervision steps of {per} loops, " if per else ""
     print(f"checkpoint: {res['checkpoint']}{' (averaged weights)' if args.ema else ''} (trained with {steps}r = "
@@ -146,8 +177,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
             print(f"\n{title} (at most {res[key]['loops']} loops; loops per "
                   f"{'supervised token' if res['causal'] else 'row'}):")
             print(format_halting(res[key]))
-    if args.plot:
+    if "budgets" in res:
+        print(f"\n{res['metric']} when run with each loop budget:")
+        print(format_budgets(res["budgets"]))
+    if args.plot and sweep:
         sweep_plot(res["halting_sweep"], args.plot, title=f"{Path(res['checkpoint']).parent.name}: adaptive depth")
+        print(f"wrote {args.plot}")
+    elif args.plot:
+        budgets_plot(res["budgets"], args.plot)
         print(f"wrote {args.plot}")
     if args.json:
         write_json(args.json, res)
@@ -176,7 +213,13 @@ def register(subparsers) -> None:
     p.add_argument("--halt-sweep", metavar="CRITERIA",
                    help="accuracy against mean loops over a range of thresholds for each criterion (comma-separated, "
                         "or all), next to the fixed-depth curve")
-    p.add_argument("--plot", metavar="FILE", help="draw the --halt-sweep (PNG)")
+    p.add_argument("--budgets", metavar="LIST",
+                   help="also the metric when the model is run with each of these loop counts (comma-separated, e.g. "
+                        "1,2,4,8,16,32; with --halt, the rules capped at each)")
+    p.add_argument("--against", action="append", metavar="RUN",
+                   help="with --budgets: the same budgets for this run too (same task; repeatable), e.g. models "
+                        "trained at fixed r")
+    p.add_argument("--plot", metavar="FILE", help="draw the --halt-sweep or the --budgets (PNG)")
     p.add_argument("--past-r", choices=["continue", "clamp"], default=None,
                    help="the timestep encoding's loop index past the trained loops (default: the checkpoint's)")
     p.add_argument("--data", metavar="DIR", help="evaluate on this dataset folder of the model's task (another seed, "

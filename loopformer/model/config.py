@@ -19,6 +19,7 @@ from loopformer.errors import UserError
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _HEADS = ("lm", "sequence", "regression")
 _PAST_R = ("continue", "clamp")
+_TIMES = ("index", "normalized")
 # upper bounds of the size fields (far above any model that fits a machine today; checked before allocating)
 LIMITS = {"vocab_size": 1 << 24, "input_dim": 1 << 20, "max_len": 1 << 24, "d_model": 1 << 17, "n_heads": 1 << 12,
           "head_dim": 1 << 14, "ffn_dim": 1 << 20, "n_layers": 4096, "loops": 4096, "supervision_steps": 4096,
@@ -59,6 +60,11 @@ class ModelConfig:
     timestep_gate_init: float = 1.0   # initial residual gates γ1, γ2 (b5's gate half). 1 (default): the untrained TMLT
                                       # block is the untrained looped block; 0: adaLN-Zero, the paper's and the
                                       # authors' choice (the untrained block is the identity). See docs/tmlt-study.md
+    timestep_time: str = "index"      # what the timestep encoding reads: "index" (the paper's loop index t) |
+                                      # "normalized" (a budget-aware model: the time τ = t / R of a run of R loops,
+                                      # read as PE(r·τ) — at R = r exactly the paper's PE(t) — plus a second embedder
+                                      # of the step size Δt = 1 / R, read as PE(r·Δt), summed into TE; LoopFormer's
+                                      # parametrisation). See docs/elastic-depth.md
     timestep_past: str = "continue"   # the loop index past the trained loops (t >= loops): "continue" the sinusoid
                                       # PE(t) | "clamp" to the last trained t = loops - 1 (a learned table always
                                       # clamps). Changes no weights: choose it at load / evaluation time
@@ -124,6 +130,12 @@ class ModelConfig:
              f"timestep_embed must be 'sinusoid' or 'learned' (got {self.timestep_embed!r})")
         need(math.isfinite(self.timestep_scale) and self.timestep_scale > 0, "timestep_scale must be > 0")
         need(self.timestep_past in _PAST_R, f"timestep_past must be one of {_PAST_R} (got {self.timestep_past!r})")
+        need(self.timestep_time in _TIMES, f"timestep_time must be one of {_TIMES} (got {self.timestep_time!r})")
+        if self.timestep_time == "normalized":
+            need(self.timestep, "timestep_time='normalized' conditions the timestep encoding: set timestep=true")
+            need(self.timestep_embed == "sinusoid", "timestep_time='normalized' reads the sinusoid at fractional "
+                                                    "times: timestep_embed must be 'sinusoid'")
+            need(self.supervision_steps == 1, "timestep_time='normalized' needs supervision_steps = 1")
         need(self.supervision_steps >= 1, f"supervision_steps must be >= 1 (got {self.supervision_steps})")
         need(self.step_timestep in ("continue", "restart"),
              f"step_timestep must be 'continue' or 'restart' (got {self.step_timestep!r})")

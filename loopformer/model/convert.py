@@ -120,3 +120,22 @@ def convert_file(path: str | os.PathLike, out: str | os.PathLike, trust_pickle: 
     run = {k: v for k, v in (ckpt.get("config") or {}).items() if isinstance(v, (int, float, str, bool, type(None)))}
     run["converted_from"] = {"file": str(Path(path).resolve()), **info}
     return save_checkpoint(out, model, run=run, task={"name": "text"})
+
+
+def to_normalized_time(model: LoopedTransformer) -> LoopedTransformer:
+    """A TMLT of the paper's parametrisation (the loop index t) as a budget-aware model (`timestep_time=
+    "normalized"`) computing the same function at its trained r.
+
+    The budget-aware model reads PE(r·t/R) + the step embedder of PE(r/R) in a run of R loops; with the step
+    embedder's output layer at zero (as it starts) and R = r this is TE(t) of the original, so every output at r
+    loops is identical; at other budgets its loops are spread over the same times. The original is left as it is."""
+    cfg = model.config
+    if not cfg.timestep or cfg.timestep_time != "index":
+        raise UserError("to_normalized_time converts a TMLT that reads the loop index (timestep_time='index')")
+    if cfg.timestep_embed != "sinusoid" or cfg.supervision_steps != 1:
+        raise UserError("to_normalized_time needs the sinusoid loop encoding and supervision_steps = 1")
+    p = next(model.parameters())
+    out = LoopedTransformer(cfg.replace(timestep_time="normalized")).to(device=p.device, dtype=p.dtype)
+    missing, unexpected = out.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("timestep.step_mlp.") for k in missing), (missing, unexpected)
+    return out

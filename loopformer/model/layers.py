@@ -247,14 +247,15 @@ class Layer(nn.Module):
             self.modulation.bias[:2 * d].fill_(gate_init)                                  # γ1, γ2
 
     def loop_modulation(self, te: torch.Tensor) -> Optional[torch.Tensor]:
-        """[γ1, γ2, s1, s2] of every loop from SiLU(TE(t)) [R,D]: [R,4,D] (None without timestep encoding)."""
+        """[γ1, γ2, s1, s2] of every loop from SiLU(TE(t)) [R,D]: [R,4,D] ([R,B,D] -> [R,B,4,D] for times of their
+        own per row; None without timestep encoding)."""
         if self.modulation is None:
             return None
-        return self.modulation(te).view(te.shape[0], 4, -1)
+        return self.modulation(te).unflatten(-1, (4, -1))
 
     def forward(self, x: torch.Tensor, mod: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
-        # x: [B,T,D]; mod: [4, D], this layer's modulation at this loop (or None)
+        # x: [B,T,D]; mod: [4,D] (or [4,B,1,D], per row), this layer's modulation at this loop (or None)
         if mod is None:
             x = x + self.attn(self.norm1(x), mask, cache, slot)
             return x + self.mlp(self.norm2(x))
@@ -293,10 +294,11 @@ def make_layer(cfg: ModelConfig) -> Layer:
 
 
 def timestep_features(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """PE(t): [cos(t·f_i), sin(t·f_i)] with f_i = max_period^(-i/(dim/2)), i < dim/2.  t: [R] -> [R, dim]."""
+    """PE(t): [cos(t·f_i), sin(t·f_i)] with f_i = max_period^(-i/(dim/2)), i < dim/2.  t: [...] -> [..., dim]
+    (t may be fractional: the normalised time of a budget-aware model)."""
     half = dim // 2
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    args = t.float()[:, None] * freqs[None]
+    args = t.float()[..., None] * freqs
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
@@ -305,18 +307,31 @@ class TimestepEmbedder(nn.Module):
 
     PE(t) is the sinusoid of `timestep_features` at `timestep_scale · t` (loop indices never seen in training still
     embed), or with `timestep_embed="learned"` a trained vector per loop t < `loops` (later loops reuse the last).
+    A budget-aware model (`timestep_time="normalized"`) reads fractional times and adds a second embedder of the
+    step size: TE(t, Δ) = MLP(PE(t)) + MLP_Δ(PE(Δ)), MLP_Δ's output layer starting at zero (so it starts as, and
+    converts exactly from, the paper's TE).
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.freq_dim, self.max_period, self.scale = cfg.timestep_freq_dim, cfg.timestep_max_period, cfg.timestep_scale
         self.table = nn.Embedding(cfg.loops, cfg.timestep_freq_dim) if cfg.timestep_embed == "learned" else None
-        self.mlp = nn.Sequential(nn.Linear(cfg.timestep_freq_dim, cfg.d_model), nn.SiLU(),
-                                 nn.Linear(cfg.d_model, cfg.d_model))
+        self.mlp = self._mlp(cfg)
+        self.step_mlp = self._mlp(cfg) if cfg.timestep_time == "normalized" else None   # MLP_Δ
 
-    def forward(self, t: torch.Tensor) -> torch.Tensor:  # [R] -> [R, D]
+    @staticmethod
+    def _mlp(cfg: ModelConfig) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(cfg.timestep_freq_dim, cfg.d_model), nn.SiLU(),
+                             nn.Linear(cfg.d_model, cfg.d_model))
+
+    def _pe(self, t: torch.Tensor) -> torch.Tensor:
+        pe = timestep_features(t * self.scale if self.scale != 1.0 else t, self.freq_dim, self.max_period)
+        return pe.to(self.mlp[0].weight.dtype)
+
+    def forward(self, t: torch.Tensor, step: Optional[torch.Tensor] = None) -> torch.Tensor:  # [...] -> [..., D]
         if self.table is not None:
-            pe = self.table(t.clamp(max=self.table.num_embeddings - 1))
-        else:
-            pe = timestep_features(t * self.scale if self.scale != 1.0 else t, self.freq_dim, self.max_period)
-        return self.mlp(pe.to(self.mlp[0].weight.dtype))
+            return self.mlp(self.table(t.clamp(max=self.table.num_embeddings - 1)).to(self.mlp[0].weight.dtype))
+        te = self.mlp(self._pe(t))
+        if self.step_mlp is not None and step is not None:
+            te = te + self.step_mlp(self._pe(step))
+        return te

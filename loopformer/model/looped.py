@@ -6,6 +6,8 @@
     injection     the read-in embedding e is added to the hidden state before every loop after the first
     carried state forward(x, state=h) starts the loops from a given hidden state h (+ e with injection) instead of
                   e: one supervision step of deep supervision (`loopformer.model.recursion`)
+    budgets       timestep_time="normalized": the block reads the time t / R of a run of R loops and its step 1 / R
+                  (a budget-aware model); forward(x, row_loops=[B]) runs every row with a loop count of its own
 
 Shapes: B batch, T length, D width, R loops, k layers per block, C outputs, V vocabulary.
 The timestep modulations depend on t only, so they are computed once per forward for all R loops.
@@ -95,6 +97,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                 p.fill_(1.0)  # norm gains
         if self.timestep is not None and self.timestep.table is not None:
             nn.init.normal_(self.timestep.table.weight, 0.0, 1.0)   # the sinusoid's scale: entries of size ~1
+        if self.timestep is not None and self.timestep.step_mlp is not None:
+            self.timestep.step_mlp[2].weight.zero_()   # MLP_Δ starts at zero: the paper's TE(t) at R = r
         for blk in self.blocks:
             blk.reset_modulation(self.config.timestep_gate_init)
         if self.exit_gate is not None:
@@ -129,13 +133,35 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             t = t % cfg.loops
         return t.clamp(max=cfg.loops - 1) if cfg.timestep_past == "clamp" else t
 
-    def modulations(self, loops: int, device: torch.device, offset: int = 0) -> Optional[torch.Tensor]:
+    def loop_times(self, loops: int, device: torch.device, offset: int = 0,
+                   budget: Optional[int | torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A budget-aware model's (`timestep_time="normalized"`) sinusoid arguments at loops offset..offset+R-1 of a
+        run of `budget` loops (default offset + R; a tensor [B]: a budget per row): (r·t / budget, r / budget) —
+        the time τ = t / budget and step Δt = 1 / budget in units of the trained r, so that at budget r the time is
+        the paper's loop index t. With `timestep_past="clamp"`, t stops at budget − 1.  [R] each ([R,B] per row)."""
+        r = float(self.config.loops)
+        n = torch.as_tensor(offset + loops if budget is None else budget, device=device, dtype=torch.float32)
+        t = torch.arange(offset, offset + loops, device=device, dtype=torch.float32)
+        if n.dim():                                                                     # a budget per row
+            t, n = t[:, None], n[None]
+        if self.config.timestep_past == "clamp":
+            t = torch.minimum(t, n - 1)
+        tau = r * t / n
+        return tau, (r / n).expand_as(tau)
+
+    def modulations(self, loops: int, device: torch.device, offset: int = 0,
+                    budget: Optional[int | torch.Tensor] = None) -> Optional[torch.Tensor]:
         """[γ1, γ2, s1, s2] for every loop and layer at once: [R, k, 4, D] (None without timestep encoding);
-        loops offset..offset+R-1 (see `loop_indices`)."""
+        loops offset..offset+R-1 (see `loop_indices`). A budget-aware model reads its times in a run of `budget`
+        loops (`loop_times`); with a budget per row ([B]) the modulations are per row: [R, k, 4, B, 1, D]."""
         if self.timestep is None:
             return None
-        te = F.silu(self.timestep(self.loop_indices(loops, device, offset)))           # SiLU(TE(t)): [R,D]
-        return torch.stack([blk.loop_modulation(te) for blk in self.blocks], dim=1)   # [R,k,4,D]
+        if self.config.timestep_time == "normalized":
+            te = F.silu(self.timestep(*self.loop_times(loops, device, offset, budget)))  # [R,D] | [R,B,D]
+        else:
+            te = F.silu(self.timestep(self.loop_indices(loops, device, offset)))       # SiLU(TE(t)): [R,D]
+        mods = torch.stack([blk.loop_modulation(te) for blk in self.blocks], dim=1)   # [R,k,4,D] | [R,k,B,4,D]
+        return mods if te.dim() == 2 else mods.transpose(2, 3).unsqueeze(-2)           # ... | [R,k,4,B,1,D]
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *, loops: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
@@ -143,7 +169,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                 return_all: bool = False, halt: Optional[HaltRule | str] = None,
                 halt_positions: Optional[torch.Tensor] = None, per_token: Optional[bool] = None,
                 state: Optional[torch.Tensor] = None, loop_offset: int = 0, read_at: Optional[torch.Tensor] = None,
-                read_loops: Optional[int] = None) -> LoopOutput:
+                read_loops: Optional[int] = None, budget: Optional[int] = None,
+                row_loops: Optional[torch.Tensor] = None) -> LoopOutput:
         """Run L1, then the block `loops` times, then L2.
 
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
@@ -158,6 +185,10 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         read_at: [N] indices into the B·T flattened positions: L2 reads out only there (training reads the positions
         its loss looks at): logits [N,C], all_logits and all_hidden [R',N,·]; `hidden` stays [B,T,D].
         read_loops: with return_all, the per-loop read-out of the last `read_loops` loops only (R' of them).
+        budget: the loop count of the whole run a budget-aware model (`timestep_time="normalized"`) times its loops
+        by (default loop_offset + loops; larger when this call continues a run, e.g. loops past the budget).
+        row_loops: [B] int, a loop count per row (1..loops): row b stops after row_loops[b] loops — its state, and
+        so its read-out, is that of a run with that many loops (and, budget-aware, that budget).
         """
         if halt is not None:
             if state is not None or loop_offset:
@@ -166,15 +197,19 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                                         halt_positions=halt_positions, per_token=per_token)
         cfg = self.config
         R = self._check_call(x, loops, cache)
+        if row_loops is not None:
+            row_loops = self._check_rows(x, row_loops, R, cache)                       # [B]
         past = cache.length if cache is not None else 0
         mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
-        mods = self._loop_modulations(R, x.device, cache, loop_offset)                 # [R,k,4,D] | None
+        mods = self._loop_modulations(R, x.device, cache, loop_offset,                 # [R,k,4,D] | None
+                                      row_loops if row_loops is not None and budget is None else budget)
         grad = torch.is_grad_enabled()
         grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
         use_ckpt = cfg.checkpoint and grad and cache is None
         h, states = (e if state is None else state), []
         for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
+            h_prev = h
             if (t > 0 or state is not None) and cfg.input_injection:
                 h = h + e
             mods_t = None if mods is None else mods[t]
@@ -183,6 +218,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                     h = checkpoint(self._block, h, mods_t, mask, None, t, use_reentrant=False)
                 else:
                     h = self._block(h, mods_t, mask, cache, t)
+            if row_loops is not None:                # rows past their own loop count keep their state
+                h = torch.where((row_loops > t)[:, None, None], h, h_prev)
             if return_all:
                 states.append(h)
         if cache is not None:
@@ -324,6 +361,18 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                 raise UserError(f"this cache was made for {cache.loops} loops, not {R}")
         return R
 
+    @staticmethod
+    def _check_rows(x: torch.Tensor, row_loops: torch.Tensor, R: int, cache: Optional[KVCache]) -> torch.Tensor:
+        """`row_loops` as a [B] int64 tensor on x's device, after checking it against the call."""
+        if cache is not None:
+            raise UserError("row_loops (a loop count per row) cannot be combined with a key/value cache")
+        rows = torch.as_tensor(row_loops, device=x.device).long()
+        if rows.shape != (x.shape[0],):
+            raise UserError(f"row_loops needs one loop count per row: shape ({x.shape[0]},), got {tuple(rows.shape)}")
+        if rows.numel() and (int(rows.min()) < 1 or int(rows.max()) > R):
+            raise UserError(f"row_loops must lie in 1..{R} (the call's loops)")
+        return rows
+
     def _positions(self, x: torch.Tensor, positions: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
                    past: int) -> Optional[torch.Tensor]:
         """Learned positions of the new tokens: given, counted from the first real token under left padding, or
@@ -352,14 +401,14 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             allowed = allowed & attn_mask.bool()[:, None, None, :]
         return allowed | (k == q)[None, None]   # a padded query still sees itself, so no row is empty
 
-    def _loop_modulations(self, loops: int, device: torch.device, cache: Optional[KVCache],
-                          offset: int = 0) -> Optional[torch.Tensor]:
+    def _loop_modulations(self, loops: int, device: torch.device, cache: Optional[KVCache], offset: int = 0,
+                          budget: Optional[int | torch.Tensor] = None) -> Optional[torch.Tensor]:
         """`modulations` of this call; in generation (a cache, no gradients) computed once per cache."""
         if cache is not None and not torch.is_grad_enabled():   # generation: same modulations for every token
             if cache.mods is None:
-                cache.mods = self.modulations(loops, device, offset)
+                cache.mods = self.modulations(loops, device, offset, budget)
             return cache.mods
-        return self.modulations(loops, device, offset)
+        return self.modulations(loops, device, offset, budget)
 
     def _block(self, h: torch.Tensor, mods_t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
                cache: Optional[KVCache], t: int) -> torch.Tensor:

@@ -26,6 +26,8 @@ from loopformer.sources import TaskConfig, model_fields
 
 LOSS_LOOPS = ("last", "all", "window")
 EXIT_LOSSES = ("target", "distribution")
+LOOP_SAMPLES = ("fixed", "uniform", "loguniform")
+SAMPLE_PER = ("batch", "row")
 SCHEDULES = ("linear", "cosine", "constant", "onecycle")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 COMPILE = ("auto", "true", "false")
@@ -58,6 +60,19 @@ class TrainConfig:
     loops_start: int = 0              # loop curriculum: start with this many loops (0: off) ...
     loops_every: int = 1000           # ... and add loops_increment every loops_every steps, up to model.loops
     loops_increment: int = 1
+    # elastic depth (docs/elastic-depth.md): train one model for a range of loop budgets
+    loops_sample: str = "fixed"       # the loop count R of a step: "fixed" (model.loops, or the curriculum) | drawn
+                                      # "uniform" over loops_min..loops_max | "loguniform" (each octave alike);
+                                      # a pure function of (seed, step): exact resume
+    loops_min: int = 1
+    loops_max: int = 0                # 0: model.loops
+    loops_sample_per: str = "batch"   # "batch": one R per step | "row": one per row (each row stops after its own
+                                      # loops; the step runs the batch's largest; needs loss_loops=last)
+    consistency: float = 0.0          # weight of the agreement of the read-out at R with a stop-gradient read-out at
+                                      # budget min(2R, loops_max) (KL; squared error for regression); 0: off
+    fixed_point: float = 0.0          # weight of the fixed-point loss: fixed_point_loops more loops past R should not
+                                      # move the state, ||h(R+m) − sg h(R)||² / ||sg h(R)||² per position; 0: off
+    fixed_point_loops: int = 1
     eval_every: int = 0               # steps between evaluations (and checkpoints); 0: only at the end
     log_every: int = 10
     precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16
@@ -103,6 +118,13 @@ class TrainConfig:
         _need(self.timestep_weight_decay is None or self.timestep_weight_decay >= 0,
               "train.timestep_weight_decay must be >= 0 (or null)")
         _need(self.exit_loss in EXIT_LOSSES, f"train.exit_loss must be one of {EXIT_LOSSES} (got {self.exit_loss!r})")
+        _need(self.loops_sample in LOOP_SAMPLES,
+              f"train.loops_sample must be one of {LOOP_SAMPLES} (got {self.loops_sample!r})")
+        _need(self.loops_sample_per in SAMPLE_PER,
+              f"train.loops_sample_per must be one of {SAMPLE_PER} (got {self.loops_sample_per!r})")
+        _need(self.loops_min >= 1 and self.loops_max >= 0, "train.loops_min must be >= 1 and train.loops_max >= 0")
+        _need(self.consistency >= 0 and self.fixed_point >= 0, "train.consistency and train.fixed_point must be >= 0")
+        _need(self.fixed_point_loops >= 1, f"train.fixed_point_loops must be >= 1 (got {self.fixed_point_loops})")
         _need(0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1) (got {self.ema_decay})")
         _need(self.exit_loss_weight >= 0 and self.exit_entropy_weight >= 0,
               "train.exit_loss_weight and train.exit_entropy_weight must be >= 0")
@@ -116,6 +138,8 @@ class EvalConfig:
     loopwise: bool = True             # record the metric after every loop t = 1..max_loops
     halt: list[str] = field(default_factory=list)   # halting rules (e.g. [kl:1e-3, entropy:0.2]) evaluated at the
                                       # end next to fixed depth: results.json "halting"
+    budgets: list[int] = field(default_factory=list)   # loop budgets the final model is also run with (e.g.
+                                      # [1, 2, 4, 8, 16, 32]): results.json "budgets" (loopformer.eval.budgets)
     votes: int = 0                    # test-time augmentation for tasks that define it (Sudoku): predict this many
                                       # augmented copies besides the puzzle, map them back and vote per cell;
                                       # reported next to the plain metrics as voted_* (0: off)
@@ -130,6 +154,7 @@ class EvalConfig:
                 HaltRule.parse(rule)
             except UserError as exc:
                 raise ValueError(f"eval.halt: {exc}") from None
+        _need(all(1 <= b <= 1024 for b in self.budgets), f"eval.budgets must lie in 1..1024 (got {self.budgets})")
         _need(0 <= self.votes <= 1000, f"eval.votes must be in 0..1000 (got {self.votes})")
         _need(0 < self.step_halt <= 1, f"eval.step_halt must be in (0, 1] (got {self.step_halt})")
 
@@ -174,6 +199,23 @@ class RunConfig:
             _need(tr.loss_loops != "last", "task.loop_targets supervises every loop in the loss: set "
                                            "train.loss_loops to all or window")
             _need(m.supervision_steps == 1, "task.loop_targets needs model.supervision_steps = 1")
+        if tr.loops_sample != "fixed":
+            hi = tr.loops_max or m.loops
+            _need(tr.loops_min <= hi, f"train.loops_min={tr.loops_min} exceeds the largest budget {hi} "
+                                      f"(train.loops_max, else model.loops)")
+            _need(hi <= 1024, f"train.loops_max={hi} exceeds 1,024 loops")
+            _need(tr.loops_start == 0, "train.loops_sample draws the loop count: it excludes the loop curriculum "
+                                       "(train.loops_start)")
+            _need(m.supervision_steps == 1, "train.loops_sample needs model.supervision_steps = 1")
+            if tr.loops_sample_per == "row":
+                _need(tr.loss_loops == "last", "train.loops_sample_per=row scores each row after its own loops: "
+                                               "it needs train.loss_loops=last")
+                _need(tr.fixed_point == 0, "train.fixed_point continues every row past one budget: it needs "
+                                           "train.loops_sample_per=batch")
+                _need(not (m.exit_gate and tr.exit_loss_weight > 0),
+                      "train.loops_sample_per=row cannot train an exit gate (use loops_sample_per=batch)")
+        if (tr.consistency > 0 or tr.fixed_point > 0) and m.supervision_steps != 1:
+            raise ValueError("train.consistency and train.fixed_point need model.supervision_steps = 1")
         if tr.loss_loops == "window":
             _need(tr.loss_window <= m.loops, f"train.loss_window={tr.loss_window} exceeds model.loops={m.loops}")
 

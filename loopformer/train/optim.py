@@ -18,6 +18,9 @@ loss (the per-loop losses weighted by the exit distribution, minus β × its ent
 decides per row (its logit: the mean over the supervised positions), a causal model's per token. The gate reads
 the hidden states detached: its loss trains the gate only, never the trunk (with the exit-distribution loss the
 trunk still learns from the per-loop task losses that the gate weights).
+Elastic depth (`train.loops_sample`): the loop count of a step (or of each row) drawn from a budget range by a
+generator seeded with (seed, step); `consistency_loss` ties the read-out at R to a stop-gradient read-out at a
+larger budget, `fixed_point_loss` keeps loops past R from moving the state (docs/elastic-depth.md).
 Shapes: R loops, B batch, T length, C classes.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,6 +66,45 @@ def loops_at(cfg: TrainConfig, step: int, final: int) -> int:
     if cfg.loops_start <= 0:
         return final
     return min(final, cfg.loops_start + (step // cfg.loops_every) * cfg.loops_increment)
+
+
+def budget_range(cfg: TrainConfig, final: int) -> tuple[int, int]:
+    """The loop budgets training draws from (`train.loops_sample`): (loops_min, loops_max or the model's loops)."""
+    return cfg.loops_min, cfg.loops_max or final
+
+
+def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int = 1) -> np.ndarray:
+    """Loop budgets of step `step` (`train.loops_sample`): [rows] ints in loops_min..loops_max, drawn "uniform" or
+    "loguniform" (⌊exp(U(log lo, log(hi + 1)))⌋: each octave equally often) by a generator seeded with
+    (seed, step) — the same draw on every process and after a resume. "fixed": `loops_at` for every row."""
+    if cfg.loops_sample == "fixed":
+        return np.full(rows, loops_at(cfg, step, final), dtype=np.int64)
+    lo, hi = budget_range(cfg, final)
+    rng = np.random.default_rng([seed, step, 0x100B5])
+    if cfg.loops_sample == "uniform":
+        return rng.integers(lo, hi + 1, size=rows)
+    draw = np.floor(np.exp(rng.uniform(math.log(lo), math.log(hi + 1), size=rows))).astype(np.int64)
+    return np.clip(draw, lo, hi)
+
+
+def consistency_loss(student: torch.Tensor, teacher: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Summed disagreement of read-outs [..., C] with a stop-gradient target at the positions `keep` [...] (bool):
+    KL(softmax(teacher) || softmax(student)) per position for logits, the squared error for a regression read-out
+    (C = 1)."""
+    teacher = teacher.detach()
+    if student.shape[-1] == 1:
+        d = (student - teacher).square().squeeze(-1)
+    else:
+        d = F.kl_div(F.log_softmax(student.float(), -1), F.log_softmax(teacher.float(), -1), reduction="none",
+                     log_target=True).sum(-1)
+    return (d * keep).sum()
+
+
+def fixed_point_loss(h_next: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Summed relative movement of the state past the budget, ||h_next − sg h||² / ||sg h||² per position
+    ([B,T,D] -> a scalar, summed over the B·T positions)."""
+    h = h.detach()
+    return ((h_next - h).square().sum(-1) / h.square().sum(-1).clamp_min(1e-12)).sum()
 
 
 def steps_for(cfg_steps: int, epochs: float, n_train: Optional[int], batch_size: int) -> int:

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from loopformer import configio
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
+from loopformer.eval.budgets import evaluate_budgets
 from loopformer.eval.evaluate import evaluate
 from loopformer.eval.halting import evaluate_halting
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
@@ -52,8 +53,8 @@ from loopformer.train import run
 from loopformer.train.config import RunConfig
 from loopformer.train.ema import EMA
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
-from loopformer.train.optim import (exit_loss, loop_targets, loops_at, loss_loops, loss_sum, lr_at, make_optimizer,
-                                   steps_for)
+from loopformer.train.optim import (budget_range, consistency_loss, exit_loss, fixed_point_loss, loop_targets,
+                                   loss_loops, loss_sum, lr_at, make_optimizer, sample_loops, steps_for)
 from loopformer.train.run import MetricsLog
 
 
@@ -110,6 +111,8 @@ def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
     if mode != "auto":
         return mode == "true"
     tc, R = cfg.train, cfg.model.loops
+    if tc.loops_sample != "fixed":           # drawn loop counts: few steps at any one of them
+        return False
     # the first step of the loop curriculum (`loops_at`) at R loops: after ceil((R − start) / increment) rises
     first = 0 if tc.loops_start <= 0 else -(-max(0, R - tc.loops_start) // tc.loops_increment) * tc.loops_every
     if total - first < COMPILE_MIN_STEPS:
@@ -240,8 +243,9 @@ class Trainer:
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
             half = self.autocast is not contextlib.nullcontext
-            check_fits(estimate(cfg.model, batch=self.B // (d.world * tc.grad_accum), training=True,
-                                read_outs=loss_loops(tc, cfg.model.loops) or 1, ema=tc.ema_decay > 0,
+            hi = max(cfg.model.loops, budget_range(tc, cfg.model.loops)[1] if tc.loops_sample != "fixed" else 0)
+            check_fits(estimate(cfg.model.replace(loops=hi), batch=self.B // (d.world * tc.grad_accum), training=True,
+                                read_outs=loss_loops(tc, hi) or 1, ema=tc.ema_decay > 0,
                                 act_bytes=2 if half else 4), d.device,
                        "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
                                         "or set model.checkpoint=true")
@@ -294,11 +298,12 @@ class Trainer:
 
     def forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
                      targets: torch.Tensor, weight: Optional[torch.Tensor], R: int, return_all: bool,
-                     read_loops: Optional[int], n_read: Optional[int]) -> tuple[torch.Tensor, LoopOutput]:
+                     read_loops: Optional[int], n_read: Optional[int], row_loops: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, LoopOutput]:
         """`_forward_loss`, compiled at the model's final loop count when `compiles` says so (a loop curriculum's
         shorter steps stay eager: each loop count would be a graph of its own). With train.compile=auto a
         compilation that fails falls back to eager with one warning."""
-        args = (x, state, offset, at, targets, weight, R, return_all, read_loops, n_read)
+        args = (x, state, offset, at, targets, weight, R, return_all, read_loops, n_read, row_loops)
         if self.compiled is None or R != self.cfg.model.loops:
             return self._forward_loss(*args)
         if self.compile_s:
@@ -318,15 +323,42 @@ class Trainer:
 
     def _forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
                       targets: torch.Tensor, weight: Optional[torch.Tensor], R: int, return_all: bool,
-                      read_loops: Optional[int], n_read: Optional[int]) -> tuple[torch.Tensor, LoopOutput]:
+                      read_loops: Optional[int], n_read: Optional[int], row_loops: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, LoopOutput]:
         """One supervision step: the forward from `state` (None: the read-in) and its summed loss over the last
-        `n_read` read-outs (None: the final one) at the positions `at` — one graph when compiled."""
+        `n_read` read-outs (None: the final one) at the positions `at` — one graph when compiled. `row_loops`: a
+        loop count per row (budgets drawn per row)."""
         out = self.net(x, loops=R, state=state, loop_offset=offset, return_all=return_all, read_at=at,
-                       read_loops=read_loops)
+                       read_loops=read_loops, row_loops=row_loops)
         logits = out.logits if n_read is None else out.all_logits[-n_read:]
         if out.all_logits is not None:   # a copy, not a view of all_logits: compiled graphs whose outputs alias
             out.logits = out.logits.clone()   # each other fail when replayed from torch's compilation cache
         return loss_sum(*at_read(at, logits, targets, weight)), out
+
+    def elastic_losses(self, mb: dict[str, torch.Tensor], out: LoopOutput, R: int, scale: float) -> torch.Tensor | float:
+        """The consistency and fixed-point losses of one micro-batch (`train.consistency`, `train.fixed_point`;
+        0 when both are off): the final read-out at R against a stop-gradient read-out at budget min(2R, loops_max)
+        (a budget per row: each row's own, doubled), scaled like the task loss (`scale`: processes / supervised
+        positions); the state after fixed_point_loops more loops against the state at R, a mean over positions.
+        Extra forwards run on the raw model (DDP reduces their gradients with the main forward's)."""
+        tc, total = self.cfg.train, 0.0
+        x, at, rows = mb["inputs"], mb.get("read_at"), mb.get("row_loops")
+        if tc.consistency > 0:
+            hi = budget_range(tc, self.cfg.model.loops)[1] if tc.loops_sample != "fixed" else 2 * R
+            R2 = min(2 * R, hi) if rows is None else int(torch.clamp(2 * rows, max=hi).max())
+            if R2 > R or rows is not None:
+                with torch.no_grad():
+                    teacher = self.model(x, loops=R2, read_at=at,
+                                         row_loops=None if rows is None else torch.clamp(2 * rows, max=hi)).logits
+                t = mb["targets"]
+                keep = (t != IGNORE) if not t.dtype.is_floating_point else                     (mb["weight"] > 0 if "weight" in mb else torch.ones_like(t, dtype=torch.bool))
+                keep = keep.flatten().index_select(0, at) if at is not None else keep
+                total = total + tc.consistency * scale * consistency_loss(out.logits, teacher, keep)
+        if tc.fixed_point > 0:
+            nxt = self.model(x, loops=tc.fixed_point_loops, state=out.hidden, loop_offset=R, budget=R).hidden
+            n_pos = out.hidden.shape[0] * out.hidden.shape[1] * tc.grad_accum
+            total = total + tc.fixed_point * fixed_point_loss(nxt, out.hidden) / n_pos
+        return total
 
     def open_log(self, progress: Optional[bool]) -> None:
         """Write config.yaml and run.json, open the metrics log, start the bar and the log window (restored from
@@ -369,11 +401,17 @@ class Trainer:
         self.lr = lr = lr_at(tc, step, self.total)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
-        self.loops = R = loops_at(tc, step, cfg.model.loops)
+        per_row = tc.loops_sample != "fixed" and tc.loops_sample_per == "row"
+        budgets = sample_loops(tc, step, cfg.model.loops, cfg.seed, self.B if per_row else 1)   # [B] | [1]
+        self.loops = R = int(budgets.max())                     # the step's loop count (per row: the largest)
         n_read = loss_loops(tc, R)                               # read-outs in the loss (None: the last one)
         keys = data.plan(step, self.B)                           # [B] global batch
         mine = np.array_split(keys, d.world)[d.rank]
         fetched = [data.fetch(k, step) for k in np.array_split(mine, tc.grad_accum)]
+        if per_row:                                              # each row's budget travels with it
+            mine_b = np.array_split(budgets, d.world)[d.rank]
+            for m, b in zip(fetched, np.array_split(mine_b, tc.grad_accum)):
+                m["row_loops"] = torch.from_numpy(b)
         counts = [int((m["targets"] != IGNORE).sum()) if not m["targets"].dtype.is_floating_point
                   else int(m["weight"].sum()) for m in fetched]          # counted on the host, before the copy
         N = cfg.model.supervision_steps                          # deep supervision: N steps, each with its loss
@@ -398,10 +436,14 @@ class Trainer:
                 sync = i == len(micro) - 1 and j == N - 1
                 ctx = self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
                 with ctx:
+                    rows = mb.get("row_loops")                                     # [b] | None
+                    R_mb = R if rows is None else int(rows.max())
                     with self.autocast():
-                        s, out = self.forward_loss(mb["inputs"], state, step_offset(step_timestep, j, R), at, targets,
-                                                   mb.get("weight"), R, return_all, read_loops, n_read)
-                    loss = s * (d.world / (global_count * k * N))
+                        s, out = self.forward_loss(mb["inputs"], state, step_offset(step_timestep, j, R_mb), at,
+                                                   targets, mb.get("weight"), R_mb, return_all, read_loops, n_read,
+                                                   rows)
+                        loss = s * (d.world / (global_count * k * N)) + self.elastic_losses(mb, out, R_mb,
+                                                                                             d.world / global_count)
                     if gated:   # a mean over this micro-batch: DDP averages it over processes
                         gate = unwrap(self.model).exit_gate                # the gate reads, never steers: detached
                         stops_, reads = ((gate(out.all_hidden.detach()), out.all_logits) if per_loop_gate  # [R,B,T(,C)]
@@ -518,11 +560,14 @@ class Trainer:
 
     def finish(self, final: dict) -> dict:
         """results.json (rank 0) from the final evaluation; every process returns it."""
-        cfg, d, results = self.cfg, self.d, None
+        cfg, d, tc, results = self.cfg, self.d, self.cfg.train, None
         if d.main:
             halting = None if not cfg.eval.halt else evaluate_halting(
                 self.model, self.data, cfg.eval.halt, batch_size=cfg.eval.batch_size, limit=cfg.eval.n,
                 device=d.device)
+            budgets = None if not cfg.eval.budgets else evaluate_budgets(
+                self.model, self.data, sorted(set(cfg.eval.budgets)), batch_size=cfg.eval.batch_size,
+                limit=cfg.eval.n, device=d.device, autocast=self.autocast)
             results = run.write_results(self.run_dir, {
                 "name": cfg.name, "task": self.data.describe(), "variant": cfg.model.variant,
                 "loops": cfg.model.loops, "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep,
@@ -536,6 +581,10 @@ class Trainer:
                 **({"test_ema": final["ema"]["metrics"], "loopwise_ema": final["ema"]["loopwise"]}
                    if "ema" in final else {}),
                 **({"halting": halting} if halting else {}),
+                **({"budgets": budgets} if budgets else {}),
+                **({"loops_sample": {"kind": tc.loops_sample, "per": tc.loops_sample_per,
+                                     "range": list(budget_range(tc, cfg.model.loops))}}
+                   if tc.loops_sample != "fixed" else {}),
                 **({"references": refs} if (refs := self.data.references()) else {}),
             })
         self.log.close()
