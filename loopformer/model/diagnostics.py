@@ -162,7 +162,7 @@ def fixed_modulation(model: torch.nn.Module, mod: torch.Tensor) -> Iterator[torc
     if "modulations" in vars(model):
         raise RuntimeError("fixed_modulation is already active on this model")
 
-    def constant(loops: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+    def constant(loops: int, device: torch.device, offset: int = 0, budget=None) -> torch.Tensor:
         return mod.to(device)[None].expand(loops, *mod.shape)                         # [R,k,4,D]
 
     model.modulations = constant

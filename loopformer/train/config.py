@@ -69,7 +69,9 @@ class TrainConfig:
     loops_sample_per: str = "batch"   # "batch": one R per step | "row": one per row (each row stops after its own
                                       # loops; the step runs the batch's largest; needs loss_loops=last)
     consistency: float = 0.0          # weight of the agreement of the read-out at R with a stop-gradient read-out at
-                                      # budget min(2R, loops_max) (KL; squared error for regression); 0: off
+                                      # a larger budget (KL; squared error for regression); 0: off
+    consistency_budget: str = "double"  # the target's budget: "double" min(2R, loops_max) | "max" loops_max (the
+                                      # full route, as LoopFormer's shortcut consistency)
     fixed_point: float = 0.0          # weight of the fixed-point loss: fixed_point_loops more loops past R should not
                                       # move the state, ||h(R+m) − sg h(R)||² / ||sg h(R)||² per position; 0: off
     fixed_point_loops: int = 1
@@ -124,6 +126,8 @@ class TrainConfig:
               f"train.loops_sample_per must be one of {SAMPLE_PER} (got {self.loops_sample_per!r})")
         _need(self.loops_min >= 1 and self.loops_max >= 0, "train.loops_min must be >= 1 and train.loops_max >= 0")
         _need(self.consistency >= 0 and self.fixed_point >= 0, "train.consistency and train.fixed_point must be >= 0")
+        _need(self.consistency_budget in ("double", "max"),
+              f"train.consistency_budget must be 'double' or 'max' (got {self.consistency_budget!r})")
         _need(self.fixed_point_loops >= 1, f"train.fixed_point_loops must be >= 1 (got {self.fixed_point_loops})")
         _need(0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1) (got {self.ema_decay})")
         _need(self.exit_loss_weight >= 0 and self.exit_entropy_weight >= 0,
@@ -206,8 +210,9 @@ class RunConfig:
             _need(hi <= 1024, f"train.loops_max={hi} exceeds 1,024 loops")
             _need(tr.loops_start == 0, "train.loops_sample draws the loop count: it excludes the loop curriculum "
                                        "(train.loops_start)")
-            _need(m.supervision_steps == 1, "train.loops_sample needs model.supervision_steps = 1")
             if tr.loops_sample_per == "row":
+                _need(m.supervision_steps == 1, "train.loops_sample_per=row needs model.supervision_steps = 1 "
+                                                "(with supervision steps the budget is drawn per batch)")
                 _need(tr.loss_loops == "last", "train.loops_sample_per=row scores each row after its own loops: "
                                                "it needs train.loss_loops=last")
                 _need(tr.fixed_point == 0, "train.fixed_point continues every row past one budget: it needs "

@@ -335,23 +335,29 @@ class Trainer:
             out.logits = out.logits.clone()   # each other fail when replayed from torch's compilation cache
         return loss_sum(*at_read(at, logits, targets, weight)), out
 
-    def elastic_losses(self, mb: dict[str, torch.Tensor], out: LoopOutput, R: int, scale: float) -> torch.Tensor | float:
+    def elastic_losses(self, mb: dict[str, torch.Tensor], out: LoopOutput, R: int,
+                       scale: float) -> torch.Tensor | float:
         """The consistency and fixed-point losses of one micro-batch (`train.consistency`, `train.fixed_point`;
         0 when both are off): the final read-out at R against a stop-gradient read-out at budget min(2R, loops_max)
-        (a budget per row: each row's own, doubled), scaled like the task loss (`scale`: processes / supervised
-        positions); the state after fixed_point_loops more loops against the state at R, a mean over positions.
-        Extra forwards run on the raw model (DDP reduces their gradients with the main forward's)."""
+        or loops_max (`consistency_budget`; a budget per row: each row's own), scaled like the task loss (`scale`:
+        processes / supervised positions); the state after fixed_point_loops more loops against the state at R, a
+        mean over positions. Extra forwards run on the raw model (DDP reduces their gradients with the main
+        forward's)."""
         tc, total = self.cfg.train, 0.0
         x, at, rows = mb["inputs"], mb.get("read_at"), mb.get("row_loops")
         if tc.consistency > 0:
             hi = budget_range(tc, self.cfg.model.loops)[1] if tc.loops_sample != "fixed" else 2 * R
-            R2 = min(2 * R, hi) if rows is None else int(torch.clamp(2 * rows, max=hi).max())
+            double = tc.consistency_budget == "double"
+            R2 = (min(2 * R, hi) if double else hi) if rows is None else \
+                int(torch.clamp(2 * rows, max=hi).max()) if double else hi
             if R2 > R or rows is not None:
+                t_rows = None if rows is None else (torch.clamp(2 * rows, max=hi) if double
+                                                    else torch.full_like(rows, hi))
                 with torch.no_grad():
-                    teacher = self.model(x, loops=R2, read_at=at,
-                                         row_loops=None if rows is None else torch.clamp(2 * rows, max=hi)).logits
+                    teacher = self.model(x, loops=R2, read_at=at, row_loops=t_rows).logits
                 t = mb["targets"]
-                keep = (t != IGNORE) if not t.dtype.is_floating_point else                     (mb["weight"] > 0 if "weight" in mb else torch.ones_like(t, dtype=torch.bool))
+                keep = (t != IGNORE) if not t.dtype.is_floating_point else \
+                    (mb["weight"] > 0 if "weight" in mb else torch.ones_like(t, dtype=torch.bool))
                 keep = keep.flatten().index_select(0, at) if at is not None else keep
                 total = total + tc.consistency * scale * consistency_loss(out.logits, teacher, keep)
         if tc.fixed_point > 0:
