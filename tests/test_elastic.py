@@ -299,6 +299,9 @@ def test_evaluate_budgets_runs_each_budget(tmp_path):
         fixed = evaluate(model, data, loops=b["loops"], loopwise=False)
         assert b["metrics"] == fixed["metrics"] and b["wall_s"] > 0
         assert b["halting"][0]["mean_loops"] <= b["loops"]
+    # the metrics at r of a budget-aware model come from a run of r loops, not from loop r of the loop-wise run
+    full = evaluate(model, data, max_loops=6)
+    assert full["metrics"] == evaluate(model, data, loops=3, loopwise=False)["metrics"]
     # a budget-aware model's run with 5 loops is not the 5th loop of a longer run: it times its loops by 5
     x = torch.as_tensor(data.test_rows(8)["inputs"])
     assert not torch.allclose(model(x, loops=5).logits, model(x, loops=6, return_all=True).all_logits[4])

@@ -127,6 +127,9 @@ def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] =
     """Metrics of `model` on `data`'s test split at `loops` (default: the model's supervision_steps × loops), plus
     the loop-wise curve (and, for a model trained with deep supervision, the curve over steps).
 
+    A budget-aware model (`timestep_time="normalized"`) is scored at r by a run of r loops; its loop-wise curve is
+    the read-out after each loop t of one run of R_max loops (`loopformer.eval.budgets` runs each budget).
+
     Returns {"loops": r, "max_loops": R, "metric": name, "metrics": {...at r}, "loopwise": [{"loop": t, ...}],
     "stepwise": [{"step": s, "loop": s·r, ...}]}. `loops` and `max_loops` are at most MAX_LOOPS; max_loops 0 / None
     means the default. votes > 0: also the metrics of test-time augmentation with voting (`voted_` prefix). A model
@@ -156,6 +159,12 @@ def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] =
     if loopwise and R > 1:
         curve = [{"loop": t + 1, **m} for t, m in enumerate(per_loop)]
         at_r = per_loop[r - 1]
+        if cfg.timestep_time == "normalized" and R > r:   # a budget-aware model times its loops by the run's
+            raw.eval()                                     # length: loop r of R loops is not a run of r loops
+            try:
+                at_r = loop_metrics(raw, data, r, False, batch_size, limit, device, autocast, progress)[-1]
+            finally:
+                raw.train(was_training)
     else:
         curve, at_r = [], per_loop[-1]
     steps = [{"step": p["loop"] // cfg.loops, **p} for p in curve if p["loop"] % cfg.loops == 0] \

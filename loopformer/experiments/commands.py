@@ -1,4 +1,5 @@
-"""The `loopformer sweep | report | demo` commands: grids of runs tabulated like the paper's Tables 2-4."""
+"""The `loopformer sweep | report | demo | reproduce` commands: grids of runs tabulated like the paper's Tables 2-4,
+and every registered claim with a verdict."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from loopformer.commandline import add_device, add_quiet, add_rows, intermixed, 
 from loopformer.errors import UserError
 from loopformer.experiments.demo import run_demo
 from loopformer.experiments.report import write_report
+from loopformer.experiments.reproduce import reproduce
 from loopformer.experiments.sweep import parse_grid, run_sweep
 
 
@@ -46,6 +48,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    ids = [i.strip() for part in args.claims or [] for i in part.split(",") if i.strip()] or None
+    parts = ["loopformer reproduce"] + (["--claims", ",".join(ids)] if ids else []) + \
+        (["--quick"] if args.quick else []) + ([f"--seeds {args.seeds}"] if args.seeds else []) + \
+        ([f"--scale {args.scale}"] if args.scale != "cpu" else []) + [f"--out {args.out}"]
+    res = reproduce(ids, quick=args.quick, seeds=args.seeds, jobs=args.jobs, threads=args.threads, out=args.out,
+                    scale=args.scale, registry=args.registry, progress=not args.quiet, dry_run=args.dry_run,
+                    readme=args.readme, command=" ".join(parts))
+    if res["ran"]:
+        for j in res["judged"]:
+            print(f"{j['claim'].id:<22} {j['verdict'].verdict:<15} {j['verdict'].reason}")
+        print("wrote " + ", ".join(str(p) for p in res["files"].values()))
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("sweep", help="run a grid of configs and tabulate it like Table 2",
                               description="Runs CONFIG for every combination of --grid values (plus --baseline), "
@@ -81,6 +98,24 @@ def register(subparsers) -> None:
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel processes (default 2)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per run (default 1)")
     p.set_defaults(func=cmd_demo)
+
+    p = subparsers.add_parser("reproduce", help="every registered claim of the paper, with a verdict per claim",
+                              description="Runs what the registered claims need (finished runs are reused, "
+                                          "interrupted ones resumed), then writes OUT/report.md with, per claim, the "
+                                          "paper's numbers, ours (median [min-max] over seeds) and a verdict.")
+    p.add_argument("--claims", action="append", metavar="ID[,ID]", help="only these claims (default: all)")
+    p.add_argument("--quick", action="store_true", help="one seed, the claims marked quick (about 30 min on 2 cores)")
+    p.add_argument("--seeds", type=int, help="model seeds per arm (default: each experiment's, 3)")
+    p.add_argument("--jobs", type=int, default=2, help="runs in parallel processes (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per run (default 1)")
+    p.add_argument("--out", default="reproduce", metavar="DIR", help="runs, report.md, report.json and plots")
+    p.add_argument("--scale", choices=["cpu", "paper"], default="cpu",
+                   help="paper: the paper-scale configs (GPU; without one, print the plan and its cost)")
+    p.add_argument("--registry", metavar="FILE", help="a claims registry of your own (default: the shipped one)")
+    p.add_argument("--dry-run", action="store_true", help="print the runs and the estimate, start nothing")
+    p.add_argument("--readme", metavar="FILE", help="also fill FILE's reproduce block with the summary table")
+    add_quiet(p)
+    p.set_defaults(func=cmd_reproduce)
 
 
 __all__ = ["register"]

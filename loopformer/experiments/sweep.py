@@ -50,6 +50,7 @@ class RunSpec:
     steps: int = 1
     baseline: bool = False
     extra: dict = field(default_factory=dict)
+    config: Optional[str] = None      # the run's own config file (runs of several configs in one call: `run_specs`)
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -94,10 +95,11 @@ def expand(grid: list[tuple[str, list[str]]], baseline: list[str], out: Path) ->
     return specs
 
 
-def _prepare(config: Optional[str], specs: list[RunSpec], overrides: list[str]) -> None:
+def prepare_specs(config: Optional[str], specs: list[RunSpec], overrides: list[str]) -> None:
     """Check every run's config (a bad one fails before anything runs) and estimate its cost."""
     for s in specs:
-        cfg = load_run_config(config, [*overrides, *s.overrides, f"out_dir={s.out_dir}", f"name={s.name}"])
+        cfg = load_run_config(s.config or config, [*overrides, *s.overrides, f"out_dir={s.out_dir}",
+                                                   f"name={s.name}"])
         n_train = source_class(cfg.task).epoch_rows(cfg.task)
         s.steps = steps_for(cfg.train.steps, cfg.train.epochs, n_train, cfg.train.batch_size)
         s.cost = float(s.steps * cfg.model.loops * cfg.model.n_layers)
@@ -120,8 +122,8 @@ def _command(config: Optional[str], spec: RunSpec, overrides: list[str], threads
     extra = [f"threads={threads}"] if threads else []
     if resumable(spec.out_dir):
         return cmd + extra + ["--resume", str(spec.out_dir), "--quiet"]
-    if config:
-        cmd.append(str(config))
+    if spec.config or config:
+        cmd.append(str(spec.config or config))
     return cmd + [*overrides, *spec.overrides, f"out_dir={spec.out_dir}", f"name={spec.name}", *extra, "--quiet"]
 
 
@@ -131,8 +133,9 @@ def _run_inprocess(config: Optional[str], spec: RunSpec, overrides: list[str], t
     if resume:
         cfg = load_for_resume(spec.out_dir, [f"threads={threads}"] if threads else [])
     else:
-        cfg = load_run_config(config, [*overrides, *spec.overrides, f"out_dir={spec.out_dir}", f"name={spec.name}"]
-                              + ([f"threads={threads}"] if threads else []))
+        extra = [f"threads={threads}"] if threads else []
+        cfg = load_run_config(spec.config or config, [*overrides, *spec.overrides, f"out_dir={spec.out_dir}",
+                                                      f"name={spec.name}", *extra])
     train(cfg, resume=resume, progress=progress)
 
 
@@ -177,7 +180,18 @@ def run_sweep(config: Optional[str], grid: list[tuple[str, list[str]]], baseline
         if ov.split("=", 1)[0] in ("out_dir", "name"):
             raise UserError("out_dir and name are set per run by the sweep; the sweep folder is `out`")
     specs = expand(grid, baseline, out)
-    _prepare(config, specs, overrides)
+    prepare_specs(config, specs, overrides)
+    run_specs(specs, config, overrides, jobs, threads, progress, desc, out)
+    return specs
+
+
+def run_specs(specs: list[RunSpec], config: Optional[str] = None, overrides: list[str] = (), jobs: int = 1,
+              threads: int = 0, progress: bool = True, desc: str = "sweep", out: str | os.PathLike = ".") -> None:
+    """Run (or complete) prepared runs (`prepare_specs`), each with its own config when it names one: finished runs are
+    skipped, interrupted ones resumed; worker logs go to `out`/logs. Raises UserError naming the runs that
+    failed."""
+    out = Path(out)
+    overrides = list(overrides)
     out.mkdir(parents=True, exist_ok=True)
     todo = [s for s in specs if not _done(s)]
     if progress and len(todo) < len(specs):
@@ -188,9 +202,8 @@ def run_sweep(config: Optional[str], grid: list[tuple[str, list[str]]], baseline
                 if progress:
                     print(f"{desc}: run {i + 1}/{len(todo)}: {s.name}", file=sys.stderr)
                 _run_inprocess(config, s, overrides, threads, progress)
-            return specs
+            return
         _run_parallel(config, todo, specs, overrides, jobs, threads, progress, desc, out)
-    return specs
 
 
 def _run_parallel(config, todo: list[RunSpec], specs: list[RunSpec], overrides, jobs: int, threads: int,

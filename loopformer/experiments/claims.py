@@ -1,0 +1,196 @@
+"""The claims registry: each claim of the paper (and each the library adds) as data — what it says, where the paper
+says it and with which numbers, the miniature experiment that tests it on shipped configs, the metric, and the rule
+that turns the runs into a verdict. The registry is `loopformer/configs/claims.yaml`; `loopformer reproduce` runs it
+(`loopformer.experiments.reproduce`).
+
+An experiment is a shipped config, overrides common to its runs, and *arms* (named override sets: "looped r=8",
+"TMLT r=8"), each trained once per model seed (`seed=S`; the data seed is the config's, so every arm of a seed
+sees the same data and, for paired arms, the same initial shared weights). Claims whose experiments share a `group`
+share their runs (the group fixes the config and the common overrides). A theory claim runs `theory verify`.
+
+Verdict rules (`verdict`):
+    paired     arm a against arm b, seed by seed: d_s = a_s − b_s (b_s − a_s for a metric where lower is
+               better); the claim is "d > margin". reproduced: every seed's d exceeds the margin; not reproduced:
+               no seed's does; inconclusive: the seeds' spread covers the margin.
+    at_least   arm a's metric ≥ value: reproduced when every seed's is, not reproduced when none is,
+    at_most    ... ≤ value;                 inconclusive in between.
+With one seed (`--quick`) a verdict is one observation: the report says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from loopformer.configio import load_config, shipped_config
+from loopformer.errors import UserError
+
+RULES = ("paired", "at_least", "at_most")
+KINDS = ("train", "theory")
+VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not run")
+
+
+@dataclass
+class Arm:
+    name: str = ""
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Experiment:
+    group: str = ""                   # runs folder; claims with the same group share runs
+    config: str = ""                  # a shipped config (under loopformer/configs), e.g. cpu/demo.yaml
+    overrides: list[str] = field(default_factory=list)       # common to every arm
+    arms: list[Arm] = field(default_factory=list)
+    seeds: int = 3                    # model seeds 0..seeds-1 (--seeds overrides)
+    quick: list[str] = field(default_factory=list)           # extra overrides under --quick
+    prepare: list[str] = field(default_factory=list)         # a `loopformer` command run once before training
+                                      # (e.g. data preparation); {data} is replaced by the output's data folder
+
+
+@dataclass
+class Rule:
+    kind: str = "paired"              # paired | at_least | at_most
+    a: str = ""                       # the arm the claim is about
+    b: str = ""                       # paired: the arm it is compared with
+    margin: float = 0.0               # paired: a − b must exceed this (metric units; sign-corrected for ↓ metrics)
+    value: float = 0.0                # at_least / at_most: the threshold
+
+
+@dataclass
+class Claim:
+    id: str = ""
+    statement: str = ""
+    source: str = "paper"             # paper | library
+    figure: str = ""                  # where the paper (or the docs) state it: "Table 2", "Theorem 4.2", ...
+    paper: str = ""                   # the paper's numbers, as text
+    kind: str = "train"               # train | theory
+    metric: str = "test.accuracy"     # a path into a run's results.json (numbers index lists), or a derived metric
+    scale: float = 100.0              # shown as metric × scale (100: percent)
+    unit: str = "%"
+    quick: bool = True                # part of --quick
+    cpu: Experiment = field(default_factory=Experiment)
+    gpu: Optional[Experiment] = None  # --scale paper: the paper-scale configs
+    rule: Rule = field(default_factory=Rule)
+    docs: str = ""                    # the page that discusses it
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"claim {self.id}: kind must be one of {KINDS}")
+        if self.rule.kind not in RULES:
+            raise ValueError(f"claim {self.id}: rule.kind must be one of {RULES}")
+        if self.kind == "train":
+            for exp in (self.cpu, self.gpu):
+                if exp is None:
+                    continue
+                names = [a.name for a in exp.arms]
+                if len(set(names)) != len(names):
+                    raise ValueError(f"claim {self.id}: two arms share a name")
+                for need in (self.rule.a, self.rule.b) if self.rule.kind == "paired" else (self.rule.a,):
+                    if need not in names:
+                        raise ValueError(f"claim {self.id}: rule names arm {need!r}, not one of {names}")
+                if not exp.group or not exp.config or exp.seeds < 1:
+                    raise ValueError(f"claim {self.id}: an experiment needs a group, a config and seeds >= 1")
+
+
+@dataclass
+class Registry:
+    claims: list[Claim] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        ids = [c.id for c in self.claims]
+        if len(set(ids)) != len(ids) or not all(ids):
+            raise ValueError("every claim needs an id of its own")
+        seen: dict[str, tuple] = {}
+        for c in self.claims:
+            for exp in (c.cpu, c.gpu):
+                if exp is None or c.kind != "train":
+                    continue
+                key = (exp.config, tuple(exp.overrides), tuple(exp.quick), tuple(exp.prepare))
+                if seen.setdefault(exp.group, key) != key:
+                    raise ValueError(f"group {exp.group!r}: claims that share a group must share its config and "
+                                     f"common overrides ({c.id})")
+
+
+def load_registry(path: Optional[str] = None) -> Registry:
+    """The shipped registry (`configs/claims.yaml`), or the YAML file at `path`."""
+    return load_config(Registry, path or shipped_config("claims.yaml"))
+
+
+def select(registry: Registry, ids: Optional[list[str]] = None, quick: bool = False) -> list[Claim]:
+    """The claims named by `ids` (all; under --quick those marked quick), in registry order; an unknown id is a
+    one-line error."""
+    known = {c.id: c for c in registry.claims}
+    if ids:
+        bad = [i for i in ids if i not in known]
+        if bad:
+            raise UserError(f"unknown claim(s) {', '.join(bad)}; choose from {', '.join(known)}")
+        return [c for c in registry.claims if c.id in ids]
+    return [c for c in registry.claims if c.quick or not quick]
+
+
+# ------------------------------------------------------------------ metrics
+def metric_value(results: dict[str, Any], path: str) -> float:
+    """The number at `path` in a results.json ("test.accuracy", "halting.rules.0.loops_saved", "budgets.budgets.3.
+    metrics.accuracy"), or a derived metric:
+        halting_saved_at_par    the fraction of loops the first halting rule saves when its metric is within 0.5
+                                points (0.005) of fixed depth, else 0."""
+    if path == "halting_saved_at_par":
+        h = results["halting"]
+        m, rule = h["metric"], h["rules"][0]
+        gap = rule["metrics"][m] - h["fixed"]["metrics"][m]
+        gap = gap if h.get("higher_is_better", True) else -gap
+        return float(rule["loops_saved"]) if gap >= -0.005 else 0.0
+    node: Any = results
+    for part in path.split("."):
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise UserError(f"metric {path!r}: results hold no {part!r} there") from None
+    return float(node)
+
+
+# ------------------------------------------------------------------ verdicts
+@dataclass
+class Verdict:
+    verdict: str                      # one of VERDICTS
+    diffs: list[float]                # paired: per-seed differences (sign-corrected); else per-seed values
+    median: float
+    low: float
+    high: float
+    reason: str
+
+
+def median_range(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def verdict(rule: Rule, a: list[float], b: Optional[list[float]] = None, higher_is_better: bool = True) -> Verdict:
+    """Apply `rule` to arm a's per-seed values (and arm b's, paired by seed) — see the module docstring."""
+    if not a or (rule.kind == "paired" and (b is None or len(b) != len(a))):
+        return Verdict("not run", [], float("nan"), float("nan"), float("nan"), "no finished runs")
+    if rule.kind == "paired":
+        sign = 1.0 if higher_is_better else -1.0
+        vals = [sign * (x - y) for x, y in zip(a, b)]
+        target, above = rule.margin, True
+        what = f"{rule.a} − {rule.b}" + ("" if higher_is_better else " (lower is better: sign flipped)")
+        cond = f"> {rule.margin:g}"
+    else:
+        vals, target, above = list(a), rule.value, rule.kind == "at_least"
+        what, cond = rule.a, (">= " if above else "<= ") + f"{rule.value:g}"
+    ok = [(v > target) if rule.kind == "paired" else (v >= target if above else v <= target) for v in vals]
+    med, lo, hi = median_range(vals)
+    n = len(vals)
+    if all(ok):
+        v = "reproduced"
+    elif not any(ok):
+        v = "not reproduced"
+    else:
+        v = "inconclusive"
+    reason = f"{what} {cond} in {sum(ok)} of {n} seed{'s' if n > 1 else ''}"
+    return Verdict(v, vals, med, lo, hi, reason)
+
+
+__all__ = ["Arm", "Experiment", "Rule", "Claim", "Registry", "Verdict", "load_registry", "select", "metric_value",
+           "verdict", "median_range", "RULES", "VERDICTS"]

@@ -1,0 +1,387 @@
+"""`loopformer reproduce`: every registered claim (`loopformer.experiments.claims`) tested in one command, with a
+verdict per claim.
+
+    plan       the runs the selected claims need: one per (experiment group, arm, seed), shared between claims of
+               a group, in OUT/runs/<group>/<arm>_seed=<s> (`--quick`: OUT/runs/<group>-quick/..., one seed and
+               the experiments' quick overrides)
+    estimate   a rough time for the runs still missing, printed before anything starts
+    run        the missing runs through the sweep engine (finished runs are reused, interrupted ones resumed,
+               `jobs` at a time); a theory claim runs `theory verify` once
+    report     OUT/report.md (a summary table first, then per claim: the paper's numbers, each arm's median
+               [min–max] over seeds with its parameters and loops per answer, the paired differences, the verdict
+               and the run folders every number comes from), OUT/report.json and one plot per claim
+
+`--scale paper` reads each claim's paper-scale experiment (`gpu`); without a CUDA device it prints the plan and
+its estimated cost instead of starting. Shapes: none (orchestration only).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from loopformer.configio import shipped_config
+from loopformer.errors import UserError
+from loopformer.experiments.claims import Claim, Experiment, median_range, metric_value, select, verdict, load_registry
+from loopformer.experiments.sweep import RunSpec, run_specs
+from loopformer.fileio import write_figure, write_json, write_text
+from loopformer.sources import source_class
+from loopformer.train.config import load_run_config
+from loopformer.train.optim import steps_for
+from loopformer.train.run import git_commit, read_results
+
+SECONDS_PER_UNIT = 1.2e-10   # one thread of a 2-core machine: a demo run (LCS-6, r = 8, 3,000 steps) took 144 s
+GPU_UNITS_PER_S = 1.0e14     # assumed sustained rate on one modern GPU (bf16), for --scale paper estimates
+THEORY_S = 60.0
+README_BEGIN, README_END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
+
+
+@dataclass
+class PlannedRun:
+    claim_ids: list[str]
+    group: str
+    arm: str
+    seed: int
+    spec: RunSpec
+    units: float = 0.0                # steps × batch × T × loops × layers × (12 d² + 2 T d): a compute measure
+    prepared_later: bool = False      # its data comes from the experiment's `prepare` step
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9=.,_-]+", "-", text).strip("-")
+
+
+def experiment_of(claim: Claim, scale: str) -> Optional[Experiment]:
+    return claim.cpu if scale == "cpu" else claim.gpu
+
+
+def _expand(items: list[str], data: Path) -> list[str]:
+    return [s.replace("{data}", str(data)) for s in items]
+
+
+def plan(claims: list[Claim], out: Path, scale: str = "cpu", quick: bool = False,
+         seeds: Optional[int] = None) -> list[PlannedRun]:
+    """The training runs the claims need — the arms each claim's rule compares, for each seed (theory claims need
+    none) — each once."""
+    runs: dict[Path, PlannedRun] = {}
+    data = out / "data"
+    for c in claims:
+        exp = experiment_of(c, scale)
+        if c.kind != "train" or exp is None:
+            continue
+        n = 1 if quick else (seeds or exp.seeds)
+        folder = out / "runs" / (exp.group + ("-quick" if quick else ""))
+        used = {c.rule.a, c.rule.b} if c.rule.kind == "paired" else {c.rule.a}
+        for arm in (a for a in exp.arms if a.name in used):      # the arms its rule compares
+            for s in range(n):
+                name = f"{_slug(arm.name)}_seed={s}"
+                path = folder / name
+                if path in runs:
+                    runs[path].claim_ids.append(c.id)
+                    continue
+                overrides = [*_expand(exp.overrides, data), *(exp.quick if quick else []), *arm.overrides,
+                             f"seed={s}"]
+                spec = RunSpec(name, overrides, path, config=str(shipped_config(exp.config)))
+                runs[path] = PlannedRun([c.id], exp.group, arm.name, s, spec, prepared_later=bool(exp.prepare))
+    return list(runs.values())
+
+
+def _size(run: PlannedRun) -> None:
+    """Check the run's config (a bad one fails before anything runs) and set its steps, its cost for the sweep's
+    progress bar, and its compute `units`."""
+    cfg = load_run_config(run.spec.config, [*run.spec.overrides, f"out_dir={run.spec.out_dir}"])
+    n_train = source_class(cfg.task).epoch_rows(cfg.task)
+    run.spec.steps = steps_for(cfg.train.steps, cfg.train.epochs, n_train, cfg.train.batch_size)
+    m, T = cfg.model, cfg.model.max_len
+    run.spec.cost = float(run.spec.steps * m.loops * m.supervision_steps * m.n_layers)
+    run.units = run.spec.cost * cfg.train.batch_size * T * (12 * m.d_model ** 2 + 2 * T * m.d_model)
+
+
+def estimate(runs: list[PlannedRun], theory: int, jobs: int, gpu: bool = False) -> dict[str, float]:
+    """Seconds for the runs not yet finished (and the theory claims), spread over `jobs` processes: rough (within
+    about 2× on CPUs; a GPU's by an assumed sustained rate)."""
+    unsized = 0
+    for r in runs:
+        try:
+            _size(r)
+        except UserError:          # its data is prepared by the experiment's `prepare` step, not yet run
+            if not r.prepared_later:
+                raise
+            unsized += 1
+    todo = [r for r in runs if not (r.spec.out_dir / "results.json").is_file()]
+    units = sum(r.units for r in todo)
+    secs = units / GPU_UNITS_PER_S * 3 if gpu else units * SECONDS_PER_UNIT
+    return {"runs": len(runs), "todo": len(todo), "units": units, "unsized": unsized,
+            "seconds": secs / max(1, min(jobs, len(todo) or 1)) + theory * THEORY_S}
+
+
+def prepare_data(claims: list[Claim], out: Path, scale: str, progress: bool) -> None:
+    """Run each experiment's `prepare` command once (e.g. tokenising a corpus into OUT/data)."""
+    done: set[str] = set()
+    for c in claims:
+        exp = experiment_of(c, scale)
+        if exp is None or not exp.prepare or exp.group in done:
+            continue
+        done.add(exp.group)
+        cmd = [sys.executable, "-m", "loopformer.cli", *_expand(exp.prepare, out / "data")]
+        if progress:
+            print(f"reproduce: preparing data for {exp.group}: loopformer {' '.join(cmd[3:])}", file=sys.stderr)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+            raise UserError(f"preparing data for {exp.group} failed: {last}")
+
+
+def run_theory(out: Path, progress: bool) -> dict[str, Any]:
+    """`theory verify` once into OUT/runs/theory/results.json (reused when present)."""
+    path = out / "runs" / "theory" / "results.json"
+    if path.is_file():
+        return read_results(path.parent)
+    from loopformer.theory.verify import format_table, run_verify   # heavy: only when a theory claim is asked
+
+    t0 = time.perf_counter()
+    rows = run_verify(progress=progress)
+    ok = sum(r.passed for r in rows)
+    res = {"kind": "theory", "rows": len(rows), "as_expected": ok, "fraction_as_expected": ok / max(len(rows), 1),
+           "failed": [f"{r.construction}: {r.case}" for r in rows if not r.passed],
+           "seconds": time.perf_counter() - t0}
+    write_text(path.parent / "verify.md", format_table(rows) + "\n")
+    write_json(path, res)
+    return res
+
+
+# ------------------------------------------------------------------ collecting and judging
+def _fmt(v: float, claim: Claim, signed: bool = False) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    x = v * claim.scale
+    if claim.unit == "%":
+        return f"{x:+.1f}" if signed else f"{x:.1f}"
+    return f"{x:+.3g}" if signed else f"{x:.3g}"
+
+
+def _mr(vals: list[float], claim: Claim, signed: bool = False) -> str:
+    if not vals:
+        return "—"
+    med, lo, hi = median_range(vals)
+    if len(vals) == 1:
+        return _fmt(med, claim, signed)
+    return f"{_fmt(med, claim, signed)} [{_fmt(lo, claim, signed)} – {_fmt(hi, claim, signed)}]"
+
+
+def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: Optional[dict]) -> dict[str, Any]:
+    """One claim's numbers and verdict from its finished runs (a run not finished counts as missing)."""
+    if claim.kind == "theory":
+        vals = [] if theory is None else [metric_value(theory, claim.metric)]
+        v = verdict(claim.rule, vals)
+        return {"claim": claim, "arms": [{"name": "verify", "values": vals, "seeds": [0] if vals else [],
+                                          "runs": ["runs/theory"], "params": None, "loops": None}],
+                "verdict": v, "higher_is_better": True, "theory": theory}
+    exp = experiment_of(claim, scale)
+    mine = [r for r in runs if claim.id in r.claim_ids]
+    arms, hib = [], True
+    for arm in (x for x in exp.arms if x.name in {r.arm for r in mine}):
+        rows = []
+        for r in sorted((r for r in mine if r.arm == arm.name), key=lambda r: r.seed):
+            if (r.spec.out_dir / "results.json").is_file():
+                res = read_results(r.spec.out_dir)
+                hib = bool(res.get("higher_is_better", True))
+                rows.append((r.seed, metric_value(res, claim.metric), res, r.spec.out_dir))
+        params = rows[0][2].get("params") if rows else None
+        loops = rows[0][2]["total_loops"] * rows[0][2]["n_layers"] if rows else None
+        arms.append({"name": arm.name, "overrides": arm.overrides, "seeds": [s for s, *_ in rows],
+                     "values": [v for _, v, *_ in rows], "params": params, "loops": loops,
+                     "runs": [str(p.relative_to(out)) for *_, p in rows]})
+    by = {a["name"]: a for a in arms}
+    a = by[claim.rule.a]
+    if claim.rule.kind == "paired":
+        b = by[claim.rule.b]
+        common = sorted(set(a["seeds"]) & set(b["seeds"]))
+        va = [a["values"][a["seeds"].index(s)] for s in common]
+        vb = [b["values"][b["seeds"].index(s)] for s in common]
+        v = verdict(claim.rule, va, vb, hib)
+    else:
+        v = verdict(claim.rule, a["values"])
+    return {"claim": claim, "arms": arms, "verdict": v, "higher_is_better": hib}
+
+
+def _ours(j: dict) -> str:
+    c, v = j["claim"], j["verdict"]
+    if not v.diffs:
+        return "—"
+    if c.rule.kind == "paired":
+        unit = " points" if c.unit == "%" else ""
+        return f"{c.rule.a} − {c.rule.b}: {_mr(v.diffs, c, signed=True)}{unit}"
+    return f"{c.rule.a}: {_mr(v.diffs, c)}{c.unit if c.unit == '%' else ''}"
+
+
+def summary_table(judged: list[dict]) -> str:
+    lines = ["| claim | source | the paper | ours: median [min – max] | seeds | verdict |", "|---|---|---|---|---|---|"]
+    for j in judged:
+        c, v = j["claim"], j["verdict"]
+        src = f"paper, {c.figure}" if c.source == "paper" else f"library ({c.figure})"
+        lines.append(f"| `{c.id}`: {c.statement} | {src} | {c.paper or '—'} | {_ours(j)} | {len(v.diffs)} | "
+                     f"**{v.verdict}** |")
+    return "\n".join(lines)
+
+
+def claim_section(j: dict, scale: str) -> str:
+    c, v = j["claim"], j["verdict"]
+    out = [f"## `{c.id}` — {v.verdict}", "", c.statement, ""]
+    out.append(f"- Where: {'the paper, ' + c.figure if c.source == 'paper' else 'this library, ' + c.figure}"
+               + (f"; docs/{c.docs}" if c.docs else ""))
+    if c.paper:
+        out.append(f"- The paper's numbers: {c.paper}")
+    if c.kind == "train":
+        exp = experiment_of(c, scale)
+        common = " ".join(exp.overrides) or "(none)"
+        out.append(f"- Experiment: `{exp.config}`, common overrides {common}; metric `{c.metric}`"
+                   f" ({'higher' if j['higher_is_better'] else 'lower'} is better)")
+    else:
+        out.append(f"- Experiment: `loopformer theory verify`; metric `{c.metric}`")
+    rule = c.rule
+    out.append(f"- Rule: {rule.kind}" + (f" ({rule.a} − {rule.b} > {rule.margin:g}, paired by seed)"
+                                          if rule.kind == "paired" else f" ({rule.a}, threshold {rule.value:g})"))
+    out.append(f"- Verdict: **{v.verdict}** — {v.reason}" + (" (one seed: a single observation)"
+                                                             if len(v.diffs) == 1 else ""))
+    out += ["", "| arm | overrides | parameters | loops × layers per answer | median [min – max] | per seed | runs |",
+            "|---|---|---|---|---|---|---|"]
+    for a in j["arms"]:
+        per = " / ".join(f"{s}: {_fmt(x, c)}" for s, x in zip(a["seeds"], a["values"])) or "not run"
+        out.append(f"| {a['name']} | {' '.join(a.get('overrides') or []) or '—'} | "
+                   f"{a['params']:,} | {a['loops']} | {_mr(a['values'], c)} | {per} | "
+                   f"{', '.join(a['runs']) or '—'} |" if a["params"] is not None else
+                   f"| {a['name']} | — | — | — | {_mr(a['values'], c)} | {per} | {', '.join(a['runs']) or '—'} |")
+    if c.rule.kind == "paired" and v.diffs:
+        out += ["", f"Paired differences ({c.rule.a} − {c.rule.b}, per seed): "
+                + " / ".join(_fmt(d, c, signed=True) for d in v.diffs)]
+    if j.get("theory") and j["theory"].get("failed"):
+        out += ["", "Constructions not as expected: " + "; ".join(j["theory"]["failed"])]
+    if j.get("plot"):
+        out += ["", f"![{c.id}]({j['plot']})"]
+    return "\n".join(out)
+
+
+def plot_claim(j: dict, path: Path) -> Optional[Path]:
+    """Each arm's per-seed values (dots) and median (bar)."""
+    c = j["claim"]
+    arms = [a for a in j["arms"] if a["values"]]
+    if not arms or c.kind != "train":
+        return None
+    import matplotlib                                 # heavy: only for plots
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(arms), 3.2))
+    for i, a in enumerate(arms):
+        vals = [x * c.scale for x in a["values"]]
+        ax.bar(i, median_range(vals)[0], color="#c8d6e5", width=0.6)
+        ax.plot([i] * len(vals), vals, "o", color="#222f3e", ms=4)
+    ax.set_xticks(range(len(arms)), [a["name"] for a in arms], fontsize=8)
+    ax.set_ylabel(f"{c.metric} {c.unit}".strip())
+    ax.set_title(f"{c.id}: {j['verdict'].verdict}", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    write_figure(fig, path)
+    plt.close(fig)
+    return path
+
+
+def write_reproduce_report(judged: list[dict], out: Path, command: str, scale: str, quick: bool) -> dict[str, Path]:
+    for j in judged:
+        p = plot_claim(j, out / f"{j['claim'].id}.png")
+        j["plot"] = p.name if p else None
+    commit = git_commit() or {}
+    head = ["# Reproduction report", "",
+            f"Command: `{command}` — scale {scale}{', quick (one seed, smallest settings)' if quick else ''}; "
+            f"loopformer at {commit.get('commit', 'an installed copy')[:12]}"
+            f"{' (uncommitted changes)' if commit.get('dirty') else ''}; written "
+            f"{datetime.now(timezone.utc).isoformat(timespec='minutes')}.", "",
+            "Every number below is read from a run folder under this report's folder (the `runs` column); "
+            "medians and ranges are over model seeds on the same data; paired differences pair the arms of one seed "
+            "(same data and, for looped / TMLT arms, the same initial shared weights).", "", "## Summary", "",
+            summary_table(judged), ""]
+    text = "\n".join(head + [claim_section(j, scale) + "\n" for j in judged])
+    md = write_text(out / "report.md", text)
+    js = write_json(out / "report.json", {
+        "command": command, "scale": scale, "quick": quick, "git": commit,
+        "claims": [{"id": j["claim"].id, "statement": j["claim"].statement, "source": j["claim"].source,
+                    "figure": j["claim"].figure, "paper": j["claim"].paper, "metric": j["claim"].metric,
+                    "verdict": j["verdict"].verdict, "reason": j["verdict"].reason,
+                    "values": j["verdict"].diffs, "median": j["verdict"].median,
+                    "arms": [{k: a[k] for k in ("name", "seeds", "values", "params", "loops", "runs")}
+                             for a in j["arms"]]} for j in judged]})
+    return {"report": md, "json": js}
+
+
+def update_readme(readme: Path, judged: list[dict], report: Path, command: str) -> None:
+    """Replace the README's block between the reproduce markers with the summary table (the one source of the
+    README's claim table)."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise UserError(f"{readme} has no {README_BEGIN} … {README_END} block to fill")
+    rel = os.path.relpath(report, readme.parent)
+    block = f"{README_BEGIN}\n`{command}` ([report]({rel})):\n\n{summary_table(judged)}\n{README_END}"
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    write_text(readme, text[:start] + block + text[end:])
+
+
+# ------------------------------------------------------------------ the command
+def reproduce(claim_ids: Optional[list[str]] = None, *, quick: bool = False, seeds: Optional[int] = None,
+              jobs: int = 2, threads: int = 1, out: str | os.PathLike = "reproduce", scale: str = "cpu",
+              registry: Optional[str] = None, progress: bool = True, dry_run: bool = False,
+              readme: Optional[str] = None, command: str = "loopformer reproduce") -> dict[str, Any]:
+    """Plan, estimate, run what is missing, judge and report (see the module docstring). Returns {"judged",
+    "files", "estimate", "ran"}; with `dry_run` (or --scale paper without CUDA) only the plan and estimate."""
+    if scale not in ("cpu", "paper"):
+        raise UserError(f"--scale must be cpu or paper (got {scale!r})")
+    if seeds is not None and seeds < 1:
+        raise UserError(f"--seeds must be >= 1 (got {seeds})")
+    if jobs < 1 or threads < 0:
+        raise UserError("--jobs must be >= 1 and --threads >= 0")
+    reg = load_registry(registry)
+    key = "cpu" if scale == "cpu" else "gpu"
+    claims = [c for c in select(reg, claim_ids, quick) if c.kind == "theory" or experiment_of(c, key) is not None]
+    if not claims:
+        raise UserError(f"no registered claim has a {scale}-scale experiment among those asked")
+    out = Path(out)
+    runs = plan(claims, out, key, quick, seeds)
+    n_theory = sum(c.kind == "theory" and not (out / "runs" / "theory" / "results.json").is_file() for c in claims)
+    gpu_plan = scale == "paper"
+    start = not dry_run and (not gpu_plan or torch.cuda.is_available())
+    if start:
+        out.mkdir(parents=True, exist_ok=True)
+        prepare_data(claims, out, key, progress)
+    est = estimate(runs, n_theory, jobs, gpu=gpu_plan)
+    where = f"{jobs} process{'es' if jobs > 1 else ''} × {threads} thread{'s' if threads != 1 else ''}"
+    line = (f"reproduce: {len(claims)} claims, {est['runs']} training runs ({est['runs'] - est['todo']} finished, "
+            f"reused), {n_theory} theory check(s); estimated {est['seconds'] / 60:.0f} min on {where} "
+            f"({'assumed GPU rate' if gpu_plan else 'rough, within about 2×'})"
+            + (f"; {est['unsized']} run(s) not sized until their data is prepared" if est["unsized"] else ""))
+    print(line, file=sys.stderr if progress else sys.stdout)
+    if not start:
+        if gpu_plan and not torch.cuda.is_available():
+            print("--scale paper: no CUDA device here — the runs it would make:")
+        for r in runs:
+            print(f"  {r.spec.out_dir}: {r.spec.config} {' '.join(r.spec.overrides)}")
+        return {"judged": [], "files": {}, "estimate": est, "ran": False}
+    theory = run_theory(out, progress) if any(c.kind == "theory" for c in claims) else None
+    if runs:
+        run_specs([r.spec for r in runs], None, [], jobs=jobs, threads=threads, progress=progress,
+                  desc="reproduce", out=out)
+    judged = [judge(c, runs, out, key, theory) for c in claims]
+    files = write_reproduce_report(judged, out, command, scale, quick)
+    if readme:
+        update_readme(Path(readme), judged, files["report"], command)
+    return {"judged": judged, "files": files, "estimate": est, "ran": True}
+
+
+__all__ = ["reproduce", "plan", "estimate", "judge", "summary_table", "update_readme", "PlannedRun"]

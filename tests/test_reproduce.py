@@ -1,0 +1,179 @@
+"""`loopformer reproduce`: the claims registry, the verdict rules on hand-made results, and a smoke run of one tiny
+claim end to end (plan → runs → report, every number traced to a run folder, finished runs reused)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loopformer.cli import main
+from loopformer.errors import UserError
+from loopformer.experiments.claims import Rule, load_registry, metric_value, select, verdict
+from loopformer.experiments.reproduce import plan, reproduce, update_readme
+
+TINY = ["train.steps=12", "task.n_train=256", "task.n_test=64", "train.log_every=4", "eval.max_loops=4",
+        "model.d_model=16", "train.compile=false", "log.dynamics=false"]
+
+
+def _registry(tmp_path: Path, rule: str = "{kind: paired, a: two loops, b: one loop, margin: -1.0}") -> Path:
+    """A registry of one tiny training claim (margin -1: any difference passes) and one theory claim."""
+    text = f"""
+claims:
+  - id: tiny
+    statement: a tiny claim
+    figure: Table 2
+    paper: "66.0 -> 81.8"
+    cpu:
+      group: tiny
+      config: cpu/demo.yaml
+      overrides: {json.dumps(TINY)}
+      quick: ["train.steps=8"]
+      arms:
+        - {{name: one loop, overrides: [model.loops=1]}}
+        - {{name: two loops, overrides: [model.loops=2]}}
+      seeds: 2
+    rule: {rule}
+  - id: proofs
+    statement: constructions
+    kind: theory
+    metric: fraction_as_expected
+    rule: {{kind: at_least, a: verify, value: 1.0}}
+"""
+    path = tmp_path / "claims.yaml"
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------ verdict rules on hand-made results
+@pytest.mark.parametrize("a,b,margin,hib,expect", [
+    ([0.90, 0.92, 0.95], [0.80, 0.85, 0.90], 0.0, True, "reproduced"),          # every seed ahead
+    ([0.80, 0.84, 0.85], [0.90, 0.85, 0.90], 0.0, True, "not reproduced"),      # no seed ahead
+    ([0.90, 0.80, 0.95], [0.85, 0.85, 0.90], 0.0, True, "inconclusive"),        # the spread covers zero
+    ([0.90, 0.92, 0.95], [0.80, 0.85, 0.90], 0.06, True, "inconclusive"),       # ... covers the margin
+    ([0.10, 0.20], [0.30, 0.25], 0.0, False, "reproduced"),                    # lower is better: a lower
+    ([0.50], [0.40], 0.0, True, "reproduced"),                                 # one seed: one observation
+    ([0.94], [0.95], -0.02, True, "reproduced"),                               # "within 2 points of b"
+])
+def test_paired_verdicts(a, b, margin, hib, expect):
+    v = verdict(Rule(kind="paired", a="A", b="B", margin=margin), a, b, higher_is_better=hib)
+    assert v.verdict == expect
+    sign = 1 if hib else -1
+    assert v.diffs == pytest.approx([sign * (x - y) for x, y in zip(a, b)])
+    assert v.median == pytest.approx(float(np.median(v.diffs)))
+
+
+@pytest.mark.parametrize("kind,vals,value,expect", [
+    ("at_least", [0.95, 0.97, 0.91], 0.90, "reproduced"),
+    ("at_least", [0.85, 0.97, 0.91], 0.90, "inconclusive"),
+    ("at_least", [0.85, 0.80, 0.89], 0.90, "not reproduced"),
+    ("at_most", [0.01, 0.02], 0.05, "reproduced"),
+    ("at_most", [0.06, 0.07], 0.05, "not reproduced"),
+])
+def test_threshold_verdicts(kind, vals, value, expect):
+    assert verdict(Rule(kind=kind, a="A", value=value), vals).verdict == expect
+
+
+def test_no_runs_is_not_run():
+    assert verdict(Rule(kind="paired", a="A", b="B"), [], []).verdict == "not run"
+    assert verdict(Rule(kind="at_least", a="A"), []).verdict == "not run"
+
+
+def test_metric_paths_and_the_derived_halting_metric():
+    res = {"test": {"accuracy": 0.9}, "budgets": {"budgets": [{"metrics": {"accuracy": 0.5}}]},
+           "halting": {"metric": "accuracy", "higher_is_better": True, "fixed": {"metrics": {"accuracy": 0.90}},
+                       "rules": [{"metrics": {"accuracy": 0.897}, "loops_saved": 0.55}]}}
+    assert metric_value(res, "test.accuracy") == 0.9
+    assert metric_value(res, "budgets.budgets.0.metrics.accuracy") == 0.5
+    assert metric_value(res, "halting_saved_at_par") == 0.55                     # 0.3 points below: at par
+    res["halting"]["rules"][0]["metrics"]["accuracy"] = 0.89
+    assert metric_value(res, "halting_saved_at_par") == 0.0                      # 1 point below: no saving
+    with pytest.raises(UserError, match="no 'nope'"):
+        metric_value(res, "test.nope")
+
+
+# ------------------------------------------------------------------ the registry
+def test_shipped_registry_is_valid_and_covers_the_paper():
+    reg = load_registry()
+    ids = [c.id for c in reg.claims]
+    figures = {c.figure for c in reg.claims if c.source == "paper"}
+    assert {"Table 2", "Table 3", "Table 4"} <= figures
+    assert any(c.kind == "theory" for c in reg.claims) and any(c.source == "library" for c in reg.claims)
+    quick = [c.id for c in select(reg, quick=True)]
+    assert quick and set(quick) < set(ids)
+    runs = plan(select(reg, quick=True), Path("/nonexistent"), quick=True)
+    assert all(r.seed == 0 for r in runs) and len({r.spec.out_dir for r in runs}) == len(runs)
+    # claims of one group share runs
+    shared = [r for r in plan(reg.claims, Path("/x")) if len(r.claim_ids) > 1]
+    assert shared and all(r.group == "lcs-demo" for r in shared)
+
+
+@pytest.mark.parametrize("body,match", [
+    ("rule: {kind: paired, a: one loop, b: nobody}", "rule names arm 'nobody'"),
+    ("rule: {kind: sometimes, a: one loop}", "rule.kind"),
+])
+def test_registry_errors(tmp_path, body, match):
+    path = _registry(tmp_path, body.split("rule: ", 1)[1])
+    with pytest.raises(UserError, match=match):
+        load_registry(str(path))
+
+
+def test_unknown_claim_and_bad_options_exit_2(tmp_path, capsys):
+    reg = str(_registry(tmp_path))
+    for argv, match in [(["--claims", "nope"], "unknown claim"), (["--seeds", "0"], "--seeds"),
+                        (["--jobs", "0"], "--jobs")]:
+        rc = main(["reproduce", "--registry", reg, "--out", str(tmp_path / "o"), "--quiet", *argv])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and match in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_scale_paper_without_a_gpu_prints_the_plan(tmp_path, capsys):
+    rc = main(["reproduce", "--scale", "paper", "--claims", "loops-help", "--out", str(tmp_path / "p"), "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "no CUDA device" in out and "lcs60.yaml" in out and "model.loops=50" in out
+    assert not (tmp_path / "p").exists()
+
+
+# ------------------------------------------------------------------ end to end
+def test_reproduce_one_tiny_claim_end_to_end(tmp_path, capsys):
+    reg = str(_registry(tmp_path))
+    out = tmp_path / "rep"
+    theory = out / "runs" / "theory"
+    theory.mkdir(parents=True)   # the theory check is slow (`theory verify`): a finished one is reused
+    (theory / "results.json").write_text(json.dumps({"kind": "theory", "rows": 3, "as_expected": 3,
+                                                     "fraction_as_expected": 1.0, "failed": []}))
+    rc = main(["reproduce", "--registry", reg, "--out", str(out), "--jobs", "1", "--quiet"])
+    printed = capsys.readouterr().out
+    assert rc == 0 and re.search(r"tiny\s+reproduced", printed) and re.search(r"proofs\s+reproduced", printed)
+    report = (out / "report.md").read_text()
+    data = json.loads((out / "report.json").read_text())
+    tiny = data["claims"][0]
+    assert tiny["verdict"] == "reproduced" and len(tiny["values"]) == 2
+    # every number traces to a run folder in the output, and the report shows it
+    for arm in tiny["arms"]:
+        assert arm["seeds"] == [0, 1]
+        for run, value in zip(arm["runs"], arm["values"]):
+            res = json.loads((out / run / "results.json").read_text())
+            assert res["test"]["accuracy"] == value
+            assert run in report
+        assert f"{arm['values'][0] * 100:.1f}" in report
+    a, b = tiny["arms"][1]["values"], tiny["arms"][0]["values"]
+    assert tiny["values"] == pytest.approx([x - y for x, y in zip(a, b)])
+    assert "## Summary" in report and "66.0 -> 81.8" in report and (out / "tiny.png").is_file()
+    # a second call reuses every finished run: nothing trains again
+    before = {p: p.stat().st_mtime for p in out.glob("runs/tiny/*/results.json")}
+    res = reproduce(["tiny"], registry=reg, out=out, jobs=1, progress=False)
+    assert res["estimate"]["todo"] == 0
+    assert {p: p.stat().st_mtime for p in out.glob("runs/tiny/*/results.json")} == before
+    # the README block is filled from the report
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- reproduce:begin -->\nold\n<!-- reproduce:end -->\nrest\n")
+    update_readme(readme, res["judged"], res["files"]["report"], "loopformer reproduce")
+    text = readme.read_text()
+    assert "old" not in text and "| `tiny`: a tiny claim |" in text and text.endswith("rest\n")
+    with pytest.raises(UserError, match="no <!-- reproduce:begin -->"):
+        update_readme(tmp_path / "claims.yaml", res["judged"], res["files"]["report"], "x")
