@@ -335,3 +335,18 @@ def test_parse_budgets():
         with pytest.raises(UserError):
             parse_budgets(bad)
     assert parse_budgets("1024") == [1024]
+
+
+def test_sweep_report_tabulates_budgets_over_seeds(tmp_path):
+    from loopformer.experiments.report import write_report
+    from loopformer.experiments.sweep import run_sweep
+
+    base = Path(__file__).resolve().parents[1] / "configs" / "cpu" / "demo.yaml"
+    run_sweep(str(base), [("seed", ["0", "1", "2"])], [], tmp_path / "sw",
+              [*TINY[2:], "train.steps=3", "model.loops=2", "eval.budgets=[1,3]"], progress=False)
+    rep = write_report(tmp_path / "sw")
+    table = (tmp_path / "sw" / "budgets.md").read_text()
+    assert (tmp_path / "sw" / "budgets.png").is_file() and "| R = 1 | R = 3 |" in table
+    vals = [json.loads((tmp_path / "sw" / "runs" / f"seed={s}" / "results.json").read_text())["budgets"]["budgets"][1]
+            ["metrics"]["accuracy"] * 100 for s in range(3)]
+    assert f"{np.median(vals):.1f} [{min(vals):.1f}–{max(vals):.1f}]" in table and "budgets.md" in rep["files"]

@@ -166,8 +166,11 @@ def test_reproduce_one_tiny_claim_end_to_end(tmp_path, capsys):
     assert "## Summary" in report and "66.0 -> 81.8" in report and (out / "tiny.png").is_file()
     # a second call reuses every finished run: nothing trains again
     before = {p: p.stat().st_mtime for p in out.glob("runs/tiny/*/results.json")}
-    res = reproduce(["tiny"], registry=reg, out=out, jobs=1, progress=False)
+    res = reproduce(["tiny"], registry=reg, out=out, jobs=1, progress=False, export_to=str(tmp_path / "exp"))
     assert res["estimate"]["todo"] == 0
+    exported = sorted(str(p.relative_to(tmp_path / "exp")) for p in (tmp_path / "exp").rglob("*") if p.is_file())
+    assert "report.md" in exported and "runs/tiny/one-loop_seed=0/results.json" in exported
+    assert not any("checkpoint" in p for p in exported)
     assert {p: p.stat().st_mtime for p in out.glob("runs/tiny/*/results.json")} == before
     # the README block is filled from the report
     readme = tmp_path / "README.md"

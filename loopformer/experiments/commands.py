@@ -55,7 +55,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         ([f"--scale {args.scale}"] if args.scale != "cpu" else []) + [f"--out {args.out}"]
     res = reproduce(ids, quick=args.quick, seeds=args.seeds, jobs=args.jobs, threads=args.threads, out=args.out,
                     scale=args.scale, registry=args.registry, progress=not args.quiet, dry_run=args.dry_run,
-                    readme=args.readme, command=" ".join(parts))
+                    readme=args.readme, command=" ".join(parts), export_to=args.export)
     if res["ran"]:
         for j in res["judged"]:
             print(f"{j['claim'].id:<22} {j['verdict'].verdict:<15} {j['verdict'].reason}")
@@ -113,6 +113,8 @@ def register(subparsers) -> None:
                    help="paper: the paper-scale configs (GPU; without one, print the plan and its cost)")
     p.add_argument("--registry", metavar="FILE", help="a claims registry of your own (default: the shipped one)")
     p.add_argument("--dry-run", action="store_true", help="print the runs and the estimate, start nothing")
+    p.add_argument("--export", metavar="DIR", help="also copy the report, plots and every run's results.json (no "
+                                                   "checkpoints) to DIR, e.g. docs/reproduce")
     p.add_argument("--readme", metavar="FILE", help="also fill FILE's reproduce block with the summary table")
     add_quiet(p)
     p.set_defaults(func=cmd_reproduce)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from loopformer.errors import UserError
+from loopformer.eval.budgets import budgets_plot
 from loopformer.eval.commands import evaluate_checkpoint
 from loopformer.fileio import write_figure, write_text
 
@@ -215,6 +216,52 @@ def paired_table(runs: list[dict]) -> Optional[str]:
     return "\n".join(lines) + "\n" if len(lines) > 2 else None
 
 
+def _budget_groups(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in runs:
+        if r.get("budgets"):
+            groups[(task_label(r.get("task", {})), config_key(r["_dir"]))].append(r)
+    return groups
+
+
+def budgets_table(runs: list[dict]) -> Optional[str]:
+    """Markdown: for the runs evaluated over loop budgets (results.json "budgets", `eval.budgets`), one row per
+    (task, configuration) and one column per budget R: the metric when run with R loops, median [min–max] over
+    its seeds. None when no run has budgets."""
+    groups = _budget_groups(runs)
+    if not groups:
+        return None
+    budgets = sorted({b["loops"] for rs in groups.values() for r in rs for b in r["budgets"]["budgets"]})
+    lines = ["| task | configuration | r | seeds | " + " | ".join(f"R = {b}" for b in budgets) + " |",
+             "|---|---|---:|---:|" + "---|" * len(budgets)]
+    for (label, key), rs in sorted(groups.items()):
+        metric = rs[0]["metric"]
+        cells = []
+        for R in budgets:
+            vals = [float(b["metrics"][metric]) for r in rs for b in r["budgets"]["budgets"] if b["loops"] == R]
+            cells.append(_median_range(vals, metric) if len(vals) > 1 else (_fmt(vals[0], metric) if vals else ""))
+        lines.append(f"| {label} | {key} | {rs[0]['loops']} | {len(rs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_budgets(runs: list[dict], path: str | os.PathLike) -> Optional[Path]:
+    """The median over seeds of the metric when run with each budget, one line per configuration."""
+    groups = _budget_groups(runs)
+    if not groups:
+        return None
+    curves = {}
+    for (label, key), rs in sorted(groups.items()):
+        metric = rs[0]["metric"]
+        Rs = sorted({b["loops"] for r in rs for b in r["budgets"]["budgets"]})
+        curves[key if len({g[0] for g in groups}) == 1 else f"{label}: {key}"] = {
+            "metric": metric, "trained_loops": rs[0]["total_loops"],
+            "budgets": [{"loops": R, "metrics": {metric: _median([float(b["metrics"][metric]) for r in rs
+                                                                  for b in r["budgets"]["budgets"]
+                                                                  if b["loops"] == R])}} for R in Rs]}
+    budgets_plot(curves, str(path), title="median over seeds, run with R loops")
+    return Path(path)
+
+
 def runs_csv(runs: list[dict]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
@@ -358,8 +405,8 @@ def generalisation_table(runs: list[dict], data_dir: Optional[str] = None, task_
 def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = None,
                  data_dir: Optional[str] = None, task_opts: Optional[dict] = None, device: str = "auto",
                  limit: int = 0) -> dict[str, Any]:
-    """Write table.md, table.csv, runs.csv, loops.png, loopwise.png (and halting.md) into `out` (default:
-    `folder`); with `data_dir` or `task_opts` also generalisation.md (`generalisation_table`)."""
+    """Write table.md, table.csv, runs.csv, loops.png, loopwise.png (and halting.md, budgets.md / .png) into `out`
+    (default: `folder`); with `data_dir` or `task_opts` also generalisation.md (`generalisation_table`)."""
     runs = find_runs(folder)
     md, tab = table(runs)
     dest = Path(out or folder)
@@ -375,6 +422,10 @@ def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = N
     paired = paired_table(runs)
     if paired is not None:
         written["paired.md"] = write_text(dest / "paired.md", paired)
+    budgets = budgets_table(runs)
+    if budgets is not None:
+        written["budgets.md"] = write_text(dest / "budgets.md", budgets)
+        written["budgets.png"] = plot_budgets(runs, dest / "budgets.png")
     halting = halting_table(runs)
     if halting is not None:
         written["halting.md"] = write_text(dest / "halting.md", halting)

@@ -334,11 +334,28 @@ def update_readme(readme: Path, judged: list[dict], report: Path, command: str) 
     write_text(readme, text[:start] + block + text[end:])
 
 
+def export(out: Path, dest: Path) -> Path:
+    """A compact copy of a reproduction for version control: the report, its plots, and each run's results.json
+    (and the theory check's table) at the same relative paths — no checkpoints. Copying `dest`/runs into an output
+    folder later makes those runs count as finished."""
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in [out / "report.md", out / "report.json", *out.glob("*.png"), *out.glob("runs/*/*/results.json"),
+              *out.glob("runs/theory/*")]:
+        if f.is_file():
+            target = dest / f.relative_to(out)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, target)
+    return dest
+
+
 # ------------------------------------------------------------------ the command
 def reproduce(claim_ids: Optional[list[str]] = None, *, quick: bool = False, seeds: Optional[int] = None,
               jobs: int = 2, threads: int = 1, out: str | os.PathLike = "reproduce", scale: str = "cpu",
               registry: Optional[str] = None, progress: bool = True, dry_run: bool = False,
-              readme: Optional[str] = None, command: str = "loopformer reproduce") -> dict[str, Any]:
+              readme: Optional[str] = None, command: str = "loopformer reproduce",
+              export_to: Optional[str] = None) -> dict[str, Any]:
     """Plan, estimate, run what is missing, judge and report (see the module docstring). Returns {"judged",
     "files", "estimate", "ran"}; with `dry_run` (or --scale paper without CUDA) only the plan and estimate."""
     if scale not in ("cpu", "paper"):
@@ -379,9 +396,11 @@ def reproduce(claim_ids: Optional[list[str]] = None, *, quick: bool = False, see
                   desc="reproduce", out=out)
     judged = [judge(c, runs, out, key, theory) for c in claims]
     files = write_reproduce_report(judged, out, command, scale, quick)
+    if export_to:
+        files["export"] = export(out, Path(export_to))
     if readme:
-        update_readme(Path(readme), judged, files["report"], command)
+        update_readme(Path(readme), judged, Path(export_to or out) / "report.md", command)
     return {"judged": judged, "files": files, "estimate": est, "ran": True}
 
 
-__all__ = ["reproduce", "plan", "estimate", "judge", "summary_table", "update_readme", "PlannedRun"]
+__all__ = ["reproduce", "plan", "estimate", "judge", "summary_table", "update_readme", "export", "PlannedRun"]
