@@ -180,3 +180,20 @@ def test_reproduce_one_tiny_claim_end_to_end(tmp_path, capsys):
     assert "old" not in text and "| `tiny`: a tiny claim |" in text and text.endswith("rest\n")
     with pytest.raises(UserError, match="no <!-- reproduce:begin -->"):
         update_readme(tmp_path / "claims.yaml", res["judged"], res["files"]["report"], "x")
+
+
+def test_run_theory_writes_its_folder(tmp_path, monkeypatch):
+    """The theory check writes runs/theory/{results.json, verify.md} into a fresh output (the real `theory verify`
+    runs in tests/test_theory.py); a second call reuses it."""
+    import loopformer.theory.verify as verify
+    from loopformer.experiments.reproduce import run_theory
+
+    rows = [verify.Row("Lemma A.5", "case", "D=1", 1, 0, 0, "repaired", "holds"),
+            verify.Row("Lemma A.6", "case", "D=1", 1, 2, 1, "as printed", "holds")]
+    monkeypatch.setattr(verify, "run_verify", lambda progress=True: rows)
+    res = run_theory(tmp_path / "fresh", progress=False)
+    assert res["rows"] == 2 and res["as_expected"] == 1 and res["fraction_as_expected"] == 0.5
+    assert res["failed"] == ["Lemma A.6: case"]
+    assert (tmp_path / "fresh" / "runs" / "theory" / "verify.md").read_text().count("Lemma") == 2
+    monkeypatch.setattr(verify, "run_verify", lambda progress=True: [])
+    assert run_theory(tmp_path / "fresh", progress=False)["rows"] == 2

@@ -155,6 +155,7 @@ def run_theory(out: Path, progress: bool) -> dict[str, Any]:
     res = {"kind": "theory", "rows": len(rows), "as_expected": ok, "fraction_as_expected": ok / max(len(rows), 1),
            "failed": [f"{r.construction}: {r.case}" for r in rows if not r.passed],
            "seconds": time.perf_counter() - t0}
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path.parent / "verify.md", format_table(rows) + "\n")
     write_json(path, res)
     return res
