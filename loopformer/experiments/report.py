@@ -227,7 +227,7 @@ def _budget_groups(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
 def budgets_table(runs: list[dict]) -> Optional[str]:
     """Markdown: for the runs evaluated over loop budgets (results.json "budgets", `eval.budgets`), one row per
     (task, configuration) and one column per budget R: the metric when run with R loops, median [min–max] over
-    its seeds. None when no run has budgets."""
+    its seeds; then the same for each run. None when no run has budgets."""
     groups = _budget_groups(runs)
     if not groups:
         return None
@@ -241,6 +241,14 @@ def budgets_table(runs: list[dict]) -> Optional[str]:
             vals = [float(b["metrics"][metric]) for r in rs for b in r["budgets"]["budgets"] if b["loops"] == R]
             cells.append(_median_range(vals, metric) if len(vals) > 1 else (_fmt(vals[0], metric) if vals else ""))
         lines.append(f"| {label} | {key} | {rs[0]['loops']} | {len(rs)} | " + " | ".join(cells) + " |")
+    lines += ["", "Each run:", "", "| task | configuration | seed | " + " | ".join(f"R = {b}" for b in budgets) + " |",
+              "|---|---|---:|" + "---|" * len(budgets)]
+    for (label, key), rs in sorted(groups.items()):
+        metric = rs[0]["metric"]
+        for r in sorted(rs, key=lambda r: r.get("seed", 0)):
+            at = {b["loops"]: b["metrics"][metric] for b in r["budgets"]["budgets"]}
+            lines.append(f"| {label} | {key} | {r.get('seed', '')} | "
+                         + " | ".join(_fmt(at[R], metric) if R in at else "" for R in budgets) + " |")
     return "\n".join(lines) + "\n"
 
 
