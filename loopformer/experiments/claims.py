@@ -174,7 +174,7 @@ def verdict(rule: Rule, a: list[float], b: Optional[list[float]] = None, higher_
         sign = 1.0 if higher_is_better else -1.0
         vals = [sign * (x - y) for x, y in zip(a, b)]
         target, above = rule.margin, True
-        what = f"{rule.a} − {rule.b}" + ("" if higher_is_better else " (lower is better: sign flipped)")
+        what = f"{rule.a} − {rule.b}" if higher_is_better else f"{rule.b} − {rule.a} (lower is better)"
         cond = f"> {rule.margin:g}"
     else:
         vals, target, above = list(a), rule.value, rule.kind == "at_least"

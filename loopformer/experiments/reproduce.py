@@ -216,13 +216,20 @@ def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: O
     return {"claim": claim, "arms": arms, "verdict": v, "higher_is_better": hib}
 
 
+def _diff_label(j: dict) -> str:
+    """What a paired difference measures: a − b, or b − a for a metric where lower is better (the sign that makes a
+    positive difference the claim's direction)."""
+    r = j["claim"].rule
+    return f"{r.a} − {r.b}" if j["higher_is_better"] else f"{r.b} − {r.a} ({j['claim'].metric}: lower is better)"
+
+
 def _ours(j: dict) -> str:
     c, v = j["claim"], j["verdict"]
     if not v.diffs:
         return "—"
     if c.rule.kind == "paired":
         unit = " points" if c.unit == "%" else ""
-        return f"{c.rule.a} − {c.rule.b}: {_mr(v.diffs, c, signed=True)}{unit}"
+        return f"{_diff_label(j)}: {_mr(v.diffs, c, signed=True)}{unit}"
     return f"{c.rule.a}: {_mr(v.diffs, c)}{c.unit if c.unit == '%' else ''}"
 
 
@@ -264,7 +271,7 @@ def claim_section(j: dict, scale: str) -> str:
                    f"{', '.join(a['runs']) or '—'} |" if a["params"] is not None else
                    f"| {a['name']} | — | — | — | {_mr(a['values'], c)} | {per} | {', '.join(a['runs']) or '—'} |")
     if c.rule.kind == "paired" and v.diffs:
-        out += ["", f"Paired differences ({c.rule.a} − {c.rule.b}, per seed): "
+        out += ["", f"Paired differences ({_diff_label(j)}, per seed): "
                 + " / ".join(_fmt(d, c, signed=True) for d in v.diffs)]
     if j.get("theory") and j["theory"].get("failed"):
         out += ["", "Constructions not as expected: " + "; ".join(j["theory"]["failed"])]
