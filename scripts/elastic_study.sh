@@ -10,10 +10,12 @@
 #   demo-none | demo-index | demo-normalized
 #                       ... one model per seed (0-2) for budgets drawn uniformly from 2..16 (mean 9 loops), r = 8
 #   demo-consistency    ... with the consistency loss (train.consistency=1), none and normalized, seed 0
+#   demo-fixedpoint     ... with the fixed-point loss (train.fixed_point=0.1, 4 loops past R), none, seed 0
 #   pointer-fixed8      pointer chasing (12 hops): looped r = 8, seeds 1-2 (seed 0: docs/depth/pointer-curve; r = 16
 #                       and 32: docs/depth/pointer)
 #   pointer-none | pointer-index | pointer-normalized
 #                       ... budgets drawn uniformly from 8..24 (mean 16 loops, the cost of r = 16), seeds 0-2
+#   pointer-fixedpoint  ... with the fixed-point loss (train.fixed_point=0.1, 8 loops past R), none, seed 0
 #   collect             tables and compact results into docs/elastic/
 # Cost on 2 CPU cores, one thread per run: a demo run 2-4 min, a pointer run about 10 min.
 set -euo pipefail
@@ -49,6 +51,10 @@ stage() {
                         --out "$STUDY/pointer-index" "${SW[@]}" ;;
     pointer-normalized) "$LF" sweep "${POINTER[@]}" "${POINTER_SAMPLE[@]}" "${NORMALIZED[@]}" --grid seed=0,1,2 \
                         --out "$STUDY/pointer-normalized" "${SW[@]}" ;;
+    demo-fixedpoint)  "$LF" sweep "${DEMO[@]}" "${DEMO_SAMPLE[@]}" train.fixed_point=0.1 train.fixed_point_loops=4 \
+                        --grid seed=0 --out "$STUDY/demo-fixedpoint-none" "${SW[@]}" ;;
+    pointer-fixedpoint) "$LF" sweep "${POINTER[@]}" "${POINTER_SAMPLE[@]}" train.fixed_point=0.1 \
+                        train.fixed_point_loops=8 --grid seed=0 --out "$STUDY/pointer-fixedpoint-none" "${SW[@]}" ;;
     collect)          collect docs/elastic ;;
     *) echo "unknown stage $1" >&2; exit 2 ;;
   esac
