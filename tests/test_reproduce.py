@@ -178,6 +178,7 @@ def test_reproduce_one_tiny_claim_end_to_end(tmp_path, capsys):
     update_readme(readme, res["judged"], res["files"]["report"], "loopformer reproduce")
     text = readme.read_text()
     assert "old" not in text and "| `tiny`: a tiny claim |" in text and text.endswith("rest\n")
+    assert "66.0 -> 81.8" not in text                   # compact: the paper's numbers are in the report
     with pytest.raises(UserError, match="no <!-- reproduce:begin -->"):
         update_readme(tmp_path / "claims.yaml", res["judged"], res["files"]["report"], "x")
 

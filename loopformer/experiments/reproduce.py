@@ -233,13 +233,21 @@ def _ours(j: dict) -> str:
     return f"{c.rule.a}: {_mr(v.diffs, c)}{c.unit if c.unit == '%' else ''}"
 
 
-def summary_table(judged: list[dict]) -> str:
-    lines = ["| claim | source | the paper | ours: median [min – max] | seeds | verdict |", "|---|---|---|---|---|---|"]
+def summary_table(judged: list[dict], compact: bool = False) -> str:
+    """Markdown, one row per claim: the claim, where it comes from, the paper's numbers, ours (median [min – max]
+    over seeds), the number of seeds and the verdict (`compact`: without the source and the paper's numbers)."""
+    head = ["claim", "source", "the paper", "ours: median [min – max]", "seeds", "verdict"]
+    if compact:
+        head = [head[0], head[3], head[4], head[5]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for j in judged:
         c, v = j["claim"], j["verdict"]
         src = f"paper, {c.figure}" if c.source == "paper" else f"library ({c.figure})"
-        lines.append(f"| `{c.id}`: {c.statement} | {src} | {c.paper or '—'} | {_ours(j)} | {len(v.diffs)} | "
-                     f"**{v.verdict}** |")
+        verdict_ = f"**{v.verdict}**" + (" (one seed)" if len(v.diffs) == 1 else "")
+        cells = [f"`{c.id}`: {c.statement}", src, c.paper or "—", _ours(j), str(len(v.diffs)), verdict_]
+        if compact:
+            cells = [cells[0], cells[3], cells[4], cells[5]]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -337,7 +345,7 @@ def update_readme(readme: Path, judged: list[dict], report: Path, command: str) 
     if README_BEGIN not in text or README_END not in text:
         raise UserError(f"{readme} has no {README_BEGIN} … {README_END} block to fill")
     rel = os.path.relpath(report, readme.parent)
-    block = f"{README_BEGIN}\n`{command}` ([report]({rel})):\n\n{summary_table(judged)}\n{README_END}"
+    block = f"{README_BEGIN}\n`{command}` ([report]({rel})):\n\n{summary_table(judged, compact=True)}\n{README_END}"
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
     write_text(readme, text[:start] + block + text[end:])
 
