@@ -243,7 +243,7 @@ def summary_table(judged: list[dict], compact: bool = False) -> str:
     for j in judged:
         c, v = j["claim"], j["verdict"]
         src = f"paper, {c.figure}" if c.source == "paper" else f"library ({c.figure})"
-        verdict_ = f"**{v.verdict}**" + (" (one seed)" if len(v.diffs) == 1 else "")
+        verdict_ = f"**{v.verdict}**" + (" (one seed)" if len(v.diffs) == 1 and c.kind == "train" else "")
         cells = [f"`{c.id}`: {c.statement}", src, c.paper or "—", _ours(j), str(len(v.diffs)), verdict_]
         if compact:
             cells = [cells[0], cells[3], cells[4], cells[5]]
@@ -269,7 +269,7 @@ def claim_section(j: dict, scale: str) -> str:
     out.append(f"- Rule: {rule.kind}" + (f" ({rule.a} − {rule.b} > {rule.margin:g}, paired by seed)"
                                           if rule.kind == "paired" else f" ({rule.a}, threshold {rule.value:g})"))
     out.append(f"- Verdict: **{v.verdict}** — {v.reason}" + (" (one seed: a single observation)"
-                                                             if len(v.diffs) == 1 else ""))
+                                                             if len(v.diffs) == 1 and c.kind == "train" else ""))
     out += ["", "| arm | overrides | parameters | loops × layers per answer | median [min – max] | per seed | runs |",
             "|---|---|---|---|---|---|---|"]
     for a in j["arms"]:
