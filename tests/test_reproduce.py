@@ -106,6 +106,9 @@ def test_shipped_registry_is_valid_and_covers_the_paper():
     assert quick and set(quick) < set(ids)
     runs = plan(select(reg, quick=True), Path("/nonexistent"), quick=True)
     assert all(r.seed == 0 for r in runs) and len({r.spec.out_dir for r in runs}) == len(runs)
+    # without quick overrides a quick run is the full run's seed 0 (a full reproduction reuses it)
+    full = {r.spec.out_dir for r in plan(select(reg), Path("/nonexistent"))}
+    assert all(r.spec.out_dir in full for r in runs)
     # claims of one group share runs
     shared = [r for r in plan(reg.claims, Path("/x")) if len(r.claim_ids) > 1]
     assert shared and all(r.group == "lcs-demo" for r in shared)

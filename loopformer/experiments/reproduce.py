@@ -2,8 +2,8 @@
 verdict per claim.
 
     plan       the runs the selected claims need: one per (experiment group, arm, seed), shared between claims of
-               a group, in OUT/runs/<group>/<arm>_seed=<s> (`--quick`: OUT/runs/<group>-quick/..., one seed and
-               the experiments' quick overrides)
+               a group, in OUT/runs/<group>/<arm>_seed=<s> (`--quick`: one seed, and for an experiment with quick
+               overrides OUT/runs/<group>-quick/...; without them the quick runs are the full run's seed 0)
     estimate   a rough time for the runs still missing, printed before anything starts
     run        the missing runs through the sweep engine (finished runs are reused, interrupted ones resumed,
                `jobs` at a time); a theory claim runs `theory verify` once
@@ -80,7 +80,7 @@ def plan(claims: list[Claim], out: Path, scale: str = "cpu", quick: bool = False
         if c.kind != "train" or exp is None:
             continue
         n = 1 if quick else (seeds or exp.seeds)
-        folder = out / "runs" / (exp.group + ("-quick" if quick else ""))
+        folder = out / "runs" / (exp.group + ("-quick" if quick and exp.quick else ""))   # same settings: shared
         used = {c.rule.a, c.rule.b} if c.rule.kind == "paired" else {c.rule.a}
         for arm in (a for a in exp.arms if a.name in used):      # the arms its rule compares
             for s in range(n):
