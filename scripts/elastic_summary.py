@@ -1,7 +1,7 @@
 """The elastic-depth study's summary tables (docs/elastic-depth.md) from the compact results that
 `bash scripts/elastic_study.sh collect` copies into docs/elastic/ (and the fixed-r pointer runs of docs/depth/):
 
-    python scripts/elastic_summary.py
+    python scripts/elastic_summary.py [FOLDER]     # FOLDER: docs/elastic (default) or the study's sweeps folder
 
 For every family of runs: the accuracy when run with each budget R (median [min–max] over seeds), then the checks
 of an elastic model against models trained at a fixed r — at r (paired by seed with the fixed-r model), at 2r and 4r
@@ -87,7 +87,8 @@ def checks(title: str, elastic: dict[str, dict[int, dict]], fixed_r: dict[int, d
 
 
 def main() -> None:
-    el = DOCS / "elastic"
+    import sys
+    el = Path(sys.argv[1]) if len(sys.argv) > 1 else DOCS / "elastic"   # a study folder of sweeps, or docs/elastic
     r4, r8 = (by_seed(el / "demo-fixed", f"runs/*_loops={r}/results.json") for r in (4, 8))
     demo = {f"elastic, {c}": runs(el / f"demo-{c}") for c in ("none", "index", "normalized")}
     extra = {"elastic, none + consistency (seed 0)": runs(el / "demo-consistency-none"),
