@@ -91,9 +91,9 @@ def main() -> None:
     el = Path(sys.argv[1]) if len(sys.argv) > 1 else DOCS / "elastic"   # a study folder of sweeps, or docs/elastic
     r4, r8 = (by_seed(el / "demo-fixed", f"runs/*_loops={r}/results.json") for r in (4, 8))
     demo = {f"elastic, {c}": runs(el / f"demo-{c}") for c in ("none", "index", "normalized")}
-    extra = {"elastic, none + consistency (seed 0)": runs(el / "demo-consistency-none"),
-             "elastic, normalized + consistency (seed 0)": runs(el / "demo-consistency-normalized"),
-             "elastic, none + fixed point (seed 0)": runs(el / "demo-fixedpoint-none")}
+    extra = {"elastic, none + consistency": runs(el / "demo-consistency-none"),
+             "elastic, normalized + consistency": runs(el / "demo-consistency-normalized"),
+             "elastic, none + fixed point": runs(el / "demo-fixedpoint-none")}
     print(table("LCS-6 (the demo's task), r = 8, budgets drawn from 2..16",
                 {"fixed r = 4": r4, "fixed r = 8": r8, **demo, **extra}, [1, 2, 4, 8, 16, 32]))
     print()
@@ -103,7 +103,7 @@ def main() -> None:
     p8 = {0: json.loads((DOCS / "depth" / "pointer-curve" / "runs" / "loops=8" / "results.json").read_text()),
           **runs(el / "pointer-fixed8")}
     pointer = {f"elastic, {c}": runs(el / f"pointer-{c}") for c in ("none", "index", "normalized")}
-    pextra = {"elastic, none + fixed point (seed 0)": runs(el / "pointer-fixedpoint-none")}
+    pextra = {"elastic, none + fixed point": runs(el / "pointer-fixedpoint-none")}
     print(table("Pointer chasing (12 hops), r = 16, budgets drawn from 8..24",
                 {"fixed r = 8": p8, "fixed r = 16": p16, **pointer, **pextra}, [4, 8, 12, 16, 24, 32, 64]))
     print()
