@@ -191,21 +191,12 @@ def test_budgets_compose_with_deep_supervision_and_the_exit_gate(tmp_path):
     assert res["total_loops"] == 6 and [b["loops"] for b in res["budgets"]["budgets"]] == [2, 6]
 
 
-def test_resume_with_row_budgets_and_consistency_equals_uninterrupted(tmp_path):
+def test_resume_with_row_budgets_and_consistency_equals_uninterrupted(tmp_path, train_killed_at):
     extra = ["train.steps=8", "train.eval_every=3", "train.loops_sample=uniform", "train.loops_sample_per=row",
              "train.loops_max=5", "train.consistency=0.5", "model.timestep=true", "model.timestep_time=normalized",
              "eval.budgets=[1,3,6]"]
     train(tiny(tmp_path, *extra, name="full"))
-
-    class Killed(Exception):
-        pass
-
-    def kill_at(step):
-        if step == 5:
-            raise Killed
-
-    with pytest.raises(Killed):
-        train(tiny(tmp_path, *extra, name="cut"), on_step=kill_at)
+    train_killed_at(tiny(tmp_path, *extra, name="cut"), 5)
     train(load_for_resume(tmp_path / "cut"), resume=True)
     losses = [[(r["step"], r["loss"]) for r in read_metrics(tmp_path / n) if r["split"] == "train"]
               for n in ("full", "cut")]

@@ -172,7 +172,7 @@ TINY = ["task.name=sudoku", "task.options={blanks: 30}", "task.n_train=32", "tas
         "log.dynamics=false"]
 
 
-def test_resume_with_the_whole_recipe_is_exact(tmp_path):
+def test_resume_with_the_whole_recipe_is_exact(tmp_path, train_killed_at):
     def cfg(name):
         return load_run_config(None, [*TINY, f"out_dir={tmp_path / name}", "train.steps=6", "train.eval_every=3"])
 
@@ -181,15 +181,7 @@ def test_resume_with_the_whole_recipe_is_exact(tmp_path):
     assert [p["step"] for p in res["stepwise"]] == [1, 2, 3] and "voted_accuracy" in res["test"]
     assert 1 <= res["test"]["halted_steps"] <= 2 and "halted_accuracy" in res["test"]
 
-    class Killed(Exception):
-        pass
-
-    def kill_at(step):
-        if step == 5:
-            raise Killed
-
-    with pytest.raises(Killed):
-        train(cfg("cut"), on_step=kill_at)
+    train_killed_at(cfg("cut"), 5)
     from loopformer.train.run import load_for_resume
 
     train(load_for_resume(tmp_path / "cut"), resume=True)

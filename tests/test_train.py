@@ -51,21 +51,13 @@ def test_end_to_end_run_folder(tmp_path):
     assert res["loopwise"][1]["accuracy"] == res["test"]["accuracy"]
 
 
-def test_resume_after_interruption_equals_uninterrupted(tmp_path):
+def test_resume_after_interruption_equals_uninterrupted(tmp_path, train_killed_at):
     full = tiny(tmp_path, "train.steps=10", "train.eval_every=4", "model.dropout=0.1", name="full")
     train(full)
 
     cut = tiny(tmp_path, "train.steps=10", "train.eval_every=4", "model.dropout=0.1", name="cut")
 
-    class Killed(Exception):
-        pass
-
-    def kill_at(step):
-        if step == 7:     # after the checkpoint at step 4 and three more steps that will be lost
-            raise Killed
-
-    with pytest.raises(Killed):
-        train(cut, on_step=kill_at)
+    train_killed_at(cut, 7)     # after the checkpoint at step 4 and three more steps that will be lost
     assert json.loads((tmp_path / "cut" / "checkpoint" / "config.json").read_text())["loops"] == 2
     assert max(s for s, _ in _train_losses(tmp_path / "cut")) == 7
     from loopformer.train.run import load_for_resume
