@@ -1,8 +1,9 @@
 """Generation speed: the per-loop key/value cache against recomputing the whole sequence for every new token.
 
 For each model (standard, looped, TMLT at the same width) both paths generate the same greedy continuation of a
-batch of prompts; printed per case: new tokens/s with the cache, without it, their ratio (medians of interleaved
-repetitions, measured in this run), and whether the two produced the same tokens.
+batch of prompts; printed per case: new tokens/s with the cache, without it, their ratio (medians of repetitions
+interleaved over models and paths, measured in this run), and whether the two produced the same tokens; then the
+TMLT's cached decoding speed against the looped model's (the median of the per-repetition ratios).
 
     python benchmarks/bench_generate.py                       # CPU-sized models, 256 new tokens
     python benchmarks/bench_generate.py --device cuda --d-model 768 --heads 12 --loops 24 --batch 8
@@ -50,7 +51,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (one per process on a shared machine)")
+    ap.add_argument("--no-recompute", action="store_true", help="time the cached path only")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     dtype = getattr(torch, args.dtype)
     max_len = args.prompt_len + args.new_tokens
@@ -68,6 +72,7 @@ def main() -> None:
           f"-{args.prompt_len} tokens, {args.new_tokens} new tokens, threads {torch.get_num_threads()}")
     print("| model | params | cache tok/s | recompute tok/s | speed-up | same tokens |")
     print("|---|---|---|---|---|---|")
+    models = {}
     for name, kw in cases:
         torch.manual_seed(0)
         model = LoopedTransformer(ModelConfig(**base, **kw)).to(args.device, dtype).eval()
@@ -76,18 +81,32 @@ def main() -> None:
                 torch.nn.init.normal_(blk.modulation.weight, 0, 0.02)
         warm = SamplingConfig(max_new_tokens=4, temperature=0)
         generate(model, prompts, warm), generate(model, prompts, warm, use_cache=False)
-        cached, full = [], []
-        for _ in range(args.reps):  # interleaved, so load changes affect both alike
+        models[name] = model
+    cached = {name: [] for name in models}
+    full = {name: [] for name in models}
+    toks = {}
+    for _ in range(args.reps):  # interleaved over models and paths, so load changes affect all alike
+        for name, model in models.items():
             t, toks_c = time_generation(model, prompts, cfg, True, args.device)
-            cached.append(t)
-            t, toks_f = time_generation(model, prompts, cfg, False, args.device)
-            full.append(t)
-        n_new = args.batch * args.new_tokens
-        tc, tf = statistics.median(cached), statistics.median(full)
-        same = sum(a == b for a, b in zip(toks_c, toks_f))
+            cached[name].append(t)
+            if not args.no_recompute:
+                t, toks_f = time_generation(model, prompts, cfg, False, args.device)
+                full[name].append(t)
+                toks[name] = (toks_c, toks_f)
+    n_new = args.batch * args.new_tokens
+    for name, model in models.items():
+        tc = statistics.median(cached[name])
+        if args.no_recompute:
+            print(f"| {name} | {model.num_params() / 1e6:.2f}M | {n_new / tc:,.0f} | - | - | - |")
+            continue
+        tf = statistics.median(full[name])
+        same = sum(a == b for a, b in zip(*toks[name]))
         print(f"| {name} | {model.num_params() / 1e6:.2f}M | {n_new / tc:,.0f} | {n_new / tf:,.0f} | "
               f"{tf / tc:.1f}x | {same}/{args.batch} rows |")
-
+    looped, tmlt = (cases[1][0], cases[2][0])
+    per_rep = [a / b for a, b in zip(cached[looped], cached[tmlt])]
+    print(f"\nTMLT / looped cached tokens/s: {statistics.median(per_rep):.2f}x (median of the {args.reps} "
+          f"repetitions' ratios, range {min(per_rep):.2f}-{max(per_rep):.2f})")
 
 if __name__ == "__main__":
     main()

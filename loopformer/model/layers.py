@@ -17,7 +17,7 @@ The published code's plain looped layer differs (values from the un-normalised x
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -42,12 +42,24 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def scaled_norm(norm: nn.Module, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(1 + s) ⊙ norm(x) — TMLT's α ⊙ RMSN(x) — with α [D] folded into the RMSNorm's gain: one pass over x
-    (a scale per row, [B,1,D], multiplies the normalised x)."""
-    if isinstance(norm, RMSNorm) and s.dim() == 1:
-        return rms_norm(x, 1 + s if norm.weight is None else norm.weight * (1 + s), norm.eps)
-    return norm(x) * (1 + s)
+class Modulation(NamedTuple):
+    """One layer's modulation at one loop, ready to apply: the gates γ1, γ2 and, for the two norms, α = 1 + s
+    folded into the RMSNorm's gain ([D]: one pass over x, `folded`) or α itself (a scale per row [B,1,D], or a
+    norm without a foldable gain), which then multiplies the normalised x (`Layer.prepare`)."""
+    gate_attn: torch.Tensor
+    gate_mlp: torch.Tensor
+    alpha_attn: torch.Tensor
+    alpha_mlp: torch.Tensor
+    folded: bool
+
+    @staticmethod
+    def norm(norm: nn.Module, x: torch.Tensor, alpha: torch.Tensor, folded: bool) -> torch.Tensor:
+        """α ⊙ norm(x), TMLT's α ⊙ RMSN(x)."""
+        return rms_norm(x, alpha, norm.eps) if folded else norm(x) * alpha
+
+
+def _folded_gain(norm: nn.Module, s: torch.Tensor) -> torch.Tensor:
+    return 1 + s if norm.weight is None else norm.weight * (1 + s)
 
 
 def make_norm(cfg: ModelConfig, gain: Optional[bool] = None) -> nn.Module:
@@ -91,6 +103,7 @@ class KVCache:
         self.length = 0
         self.loops = 0  # set by the model on the first call; later calls must use the same loop count
         self.mods = None  # the loop modulations [R,k,4,D]: fixed weights for a cache's lifetime, computed once
+        self.prepared = None  # ... and as every layer applies them, [R][k] `Modulation`s
 
     @property
     def slots(self) -> int:
@@ -253,15 +266,23 @@ class Layer(nn.Module):
             return None
         return self.modulation(te).unflatten(-1, (4, -1))
 
-    def forward(self, x: torch.Tensor, mod: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
-        # x: [B,T,D]; mod: [4,D] (or [4,B,1,D], per row), this layer's modulation at this loop (or None)
+    def prepare(self, mod: torch.Tensor) -> Modulation:
+        """This layer's [γ1, γ2, s1, s2] at one loop ([4,D], or [4,B,1,D] per row) ready to apply: α = 1 + s folded
+        into the RMSNorms' gains where α is one vector [D]. Generation prepares every loop's once per cache."""
+        gate_attn, gate_mlp, s1, s2 = mod
+        if s1.dim() == 1 and isinstance(self.norm1, RMSNorm) and isinstance(self.norm2, RMSNorm):
+            return Modulation(gate_attn, gate_mlp, _folded_gain(self.norm1, s1), _folded_gain(self.norm2, s2), True)
+        return Modulation(gate_attn, gate_mlp, 1 + s1, 1 + s2, False)
+
+    def forward(self, x: torch.Tensor, mod: Union[torch.Tensor, Modulation, None] = None,
+                mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
+        # x: [B,T,D]; mod: [4,D] (or [4,B,1,D], per row), this layer's modulation at this loop, or it `prepare`d
         if mod is None:
             x = x + self.attn(self.norm1(x), mask, cache, slot)
             return x + self.mlp(self.norm2(x))
-        gate_attn, gate_mlp, scale_attn, scale_mlp = mod
-        x = torch.addcmul(x, gate_attn, self.attn(scaled_norm(self.norm1, x, scale_attn), mask, cache, slot))
-        return torch.addcmul(x, gate_mlp, self.mlp(scaled_norm(self.norm2, x, scale_mlp)))
+        m = mod if isinstance(mod, Modulation) else self.prepare(mod)
+        x = torch.addcmul(x, m.gate_attn, self.attn(m.norm(self.norm1, x, m.alpha_attn, m.folded), mask, cache, slot))
+        return torch.addcmul(x, m.gate_mlp, self.mlp(m.norm(self.norm2, x, m.alpha_mlp, m.folded)))
 
 
 class AuthorsLoopedLayer(Layer):

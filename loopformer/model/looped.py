@@ -203,7 +203,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
         mods = self._loop_modulations(R, x.device, cache, loop_offset,                 # [R,k,4,D] | None
-                                      row_loops if row_loops is not None and budget is None else budget)
+                                      row_loops if row_loops is not None and budget is None else budget,
+                                      prepared=True)
         grad = torch.is_grad_enabled()
         grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
         use_ckpt = cfg.checkpoint and grad and cache is None
@@ -259,7 +260,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         past = cache.length if cache is not None else 0
         mask = self._mask(attn_mask, T, past, x.device)                                # [B|1,1,T,S] | None
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
-        mods = self._loop_modulations(R, x.device, cache)                              # [R,k,4,D] | None
+        mods = self._loop_modulations(R, x.device, cache, prepared=True)               # [R,k,4,D] | None
         P = halt_positions if halt_positions is not None else \
             (attn_mask[:, past:].bool() if attn_mask is not None and T > 1 else None)  # [B,T] | None: all
 
@@ -402,17 +403,23 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return allowed | (k == q)[None, None]   # a padded query still sees itself, so no row is empty
 
     def _loop_modulations(self, loops: int, device: torch.device, cache: Optional[KVCache], offset: int = 0,
-                          budget: Optional[int | torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """`modulations` of this call; in generation (a cache, no gradients) computed once per cache."""
+                          budget: Optional[int | torch.Tensor] = None, prepared: bool = False):
+        """`modulations` of this call; in generation (a cache, no gradients) computed once per cache, and with
+        `prepared` as every layer applies them (`Layer.prepare`, [R][k]: no per-token work on the modulations)."""
         if cache is not None and not torch.is_grad_enabled():   # generation: same modulations for every token
             if cache.mods is None:
                 cache.mods = self.modulations(loops, device, offset, budget)
-            return cache.mods
+            if not prepared or cache.mods is None:
+                return cache.mods
+            if cache.prepared is None:
+                cache.prepared = [[blk.prepare(m) for blk, m in zip(self.blocks, mods_t)] for mods_t in cache.mods]
+            return cache.prepared
         return self.modulations(loops, device, offset, budget)
 
-    def _block(self, h: torch.Tensor, mods_t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+    def _block(self, h: torch.Tensor, mods_t, mask: Optional[torch.Tensor],
                cache: Optional[KVCache], t: int) -> torch.Tensor:
-        """TF(h, t): the block's k layers at loop t (layer i of loop t uses cache slot t·k + i)."""
+        """TF(h, t): the block's k layers at loop t (layer i of loop t uses cache slot t·k + i); mods_t: [k,4,D] or
+        the k layers' prepared `Modulation`s."""
         k = len(self.blocks)
         for i, blk in enumerate(self.blocks):
             h = blk(h, None if mods_t is None else mods_t[i], mask, cache, t * k + i)
