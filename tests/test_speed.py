@@ -61,6 +61,62 @@ def test_read_at_equals_the_full_read_out_at_those_positions():
     torch.testing.assert_close(full.logits, full.all_logits[-1])               # final logits: the last read-out
 
 
+READ_ONLY_MODELS = {   # bidirectional looped, TMLT, two layers per block, causal with padding, the authors' layer
+    "looped": dict(causal=False),
+    "tmlt": dict(causal=False, timestep=True),
+    "two-layers": dict(causal=False, n_layers=2, timestep=True),
+    "causal": dict(causal=True),
+    "authors": dict(causal=False, compat="authors"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(READ_ONLY_MODELS))
+def test_read_only_last_loop_equals_the_full_loop_at_the_read_positions(kind):
+    """The last loop computed at the read positions only gives the read-outs, the last hidden state there and the
+    gradients of the full computation (float rounding)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=11, n_out=7, d_model=16, n_heads=2, loops=4, max_len=9, input_injection=True,
+                      **READ_ONLY_MODELS[kind])
+    m = LoopedTransformer(cfg)
+    if cfg.timestep:                                                           # modulations that do something
+        for blk in m.blocks:
+            torch.nn.init.normal_(blk.modulation.weight, 0, 0.3)
+    x = torch.randint(0, 11, (4, 9))
+    pad = torch.ones(4, 9, dtype=torch.bool)
+    pad[1, :3] = False                                                         # left padding in one row
+    kw = dict(attn_mask=pad) if cfg.causal else {}
+    at = torch.tensor([0, 5, 17, 30, 35])
+    y = torch.randn(3, 5, 7)
+
+    def run(read_only):
+        m.zero_grad()
+        out = m(x, return_all=True, read_at=at, read_loops=3, read_only=read_only, **kw)
+        (out.all_logits * y).sum().backward()
+        return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    full, g_full = run(False)
+    part, g_part = run(True)
+    assert part.hidden.shape == (5, 16) and full.hidden.shape == (4, 9, 16)
+    torch.testing.assert_close(part.all_logits, full.all_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(part.hidden, full.hidden.flatten(0, 1)[at], rtol=1e-5, atol=1e-5)
+    assert g_part.keys() == g_full.keys()
+    for name in g_full:
+        torch.testing.assert_close(g_part[name], g_full[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_read_only_is_ignored_where_it_cannot_apply():
+    m = LoopedTransformer(ModelConfig(vocab_size=11, n_out=7, d_model=16, n_heads=2, loops=3, max_len=9,
+                                      causal=False, dropout=0.1)).eval()
+    x, at = torch.randint(0, 11, (2, 9)), torch.tensor([1, 10])
+    with torch.no_grad():
+        assert m(x, read_at=at, read_only=True).hidden.shape == (2, 9, 16)              # dropout in the model
+        m2 = LoopedTransformer(ModelConfig(vocab_size=11, n_out=7, d_model=16, n_heads=2, loops=3, max_len=9,
+                                           causal=False)).eval()
+        rows = torch.tensor([2, 3])
+        assert m2(x, read_at=at, read_only=True, row_loops=rows).hidden.shape == (2, 9, 16)   # a loop count per row
+        assert m2(x, read_at=at, read_only=True).hidden.shape == (2, 16)
+
+
 def test_read_at_is_refused_for_a_pooled_sequence_head():
     m = LoopedTransformer(ModelConfig(vocab_size=5, n_out=3, d_model=8, n_heads=2, max_len=4, head="sequence",
                                       causal=False))

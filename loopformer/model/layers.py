@@ -236,6 +236,30 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, inner)                              # [B,T,H·Dh]
         return self.drop(self.proj(y))
 
+    def attend_at(self, xn: torch.Tensor, at: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The attention output at the flattened positions `at` [N] of the B·T positions only: queries projected
+        there, keys and values from every position of the query's row, then the output projection: [N,D]
+        (what `forward` gives at those positions). xn: [B,T,D] the normalised input; mask: [B|1,1,T,S] bool."""
+        B, T, _ = xn.shape
+        N, inner = at.shape[0], self.h * self.dh
+        w, b = self.qkv.weight, self.qkv.bias
+        q = F.linear(xn.flatten(0, 1).index_select(0, at), w[:inner], None if b is None else b[:inner])  # [N,H·Dh]
+        kv = F.linear(xn, w[inner:], None if b is None else b[inner:])                  # [B,T,2·H·Dh]
+        row, pos = at // T, at % T                                                       # [N] each
+        k, v = (z.view(B, T, self.h, self.dh).transpose(1, 2).index_select(0, row)      # [N,H,T,Dh]
+                for z in kv.split(inner, dim=-1))
+        q = q.view(N, self.h, 1, self.dh)                                                # [N,H,1,Dh]
+        if mask is not None:                                                             # the query's mask row
+            allowed = mask[row if mask.shape[0] > 1 else torch.zeros_like(row), :, pos]  # [N,1,T]
+            allowed = allowed.unsqueeze(1)                                               # [N,1,1,T]
+        elif self.causal:
+            allowed = (torch.arange(T, device=xn.device)[None] <= pos[:, None])[:, None, None]
+        else:
+            allowed = None
+        dropout = self.p_drop if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale)
+        return self.drop(self.proj(y.reshape(N, inner)))                                # [N,D]
+
 
 class Layer(nn.Module):
     """One pre-norm transformer layer; with its modulation (per-loop α, γ) it is the TMLT layer of Eq. 14-15."""
@@ -284,6 +308,21 @@ class Layer(nn.Module):
         x = torch.addcmul(x, m.gate_attn, self.attn(m.norm(self.norm1, x, m.alpha_attn, m.folded), mask, cache, slot))
         return torch.addcmul(x, m.gate_mlp, self.mlp(m.norm(self.norm2, x, m.alpha_mlp, m.folded)))
 
+    def forward_at(self, x: torch.Tensor, at: torch.Tensor, mod: Union[torch.Tensor, Modulation, None] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The layer's output at the flattened positions `at` [N] only — `forward(x)` there, [N,D] — for a last
+        layer whose other positions nothing reads: the attention's queries, the output projection, the MLP and the
+        residual run on N rows; keys and values still come from every position. mod: one modulation for all rows."""
+        m = None if mod is None else (mod if isinstance(mod, Modulation) else self.prepare(mod))
+        xn = self.norm1(x) if m is None else m.norm(self.norm1, x, m.alpha_attn, m.folded)   # [B,T,D]
+        a = self.attn.attend_at(xn, at, mask)                                                 # [N,D]
+        x = x.flatten(0, 1).index_select(0, at)                                               # [N,D]
+        if m is None:
+            x = x + a
+            return x + self.mlp(self.norm2(x))
+        x = torch.addcmul(x, m.gate_attn, a)
+        return torch.addcmul(x, m.gate_mlp, self.mlp(m.norm(self.norm2, x, m.alpha_mlp, m.folded)))
+
 
 class AuthorsLoopedLayer(Layer):
     """The published code's plain looped layer (`compat="authors"`, no timestep encoding): attention values come
@@ -298,6 +337,11 @@ class AuthorsLoopedLayer(Layer):
                 cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
         x = x + self.attn.attend(self._qkv(self.norm1(x), x), mask, cache, slot)
         return x + self.mlp(x)
+
+    def forward_at(self, x: torch.Tensor, at: torch.Tensor, mod: Optional[torch.Tensor] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`forward` at the flattened positions `at` only: [N,D] (computed everywhere, then selected)."""
+        return self.forward(x, mod, mask).flatten(0, 1).index_select(0, at)
 
     def _qkv(self, xn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k from the normalised `xn`, v from the raw `x`: [B,T,3·H·Dh]."""

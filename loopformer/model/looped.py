@@ -170,7 +170,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                 halt_positions: Optional[torch.Tensor] = None, per_token: Optional[bool] = None,
                 state: Optional[torch.Tensor] = None, loop_offset: int = 0, read_at: Optional[torch.Tensor] = None,
                 read_loops: Optional[int] = None, budget: Optional[int] = None,
-                row_loops: Optional[torch.Tensor] = None) -> LoopOutput:
+                row_loops: Optional[torch.Tensor] = None, read_only: bool = False) -> LoopOutput:
         """Run L1, then the block `loops` times, then L2.
 
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
@@ -189,6 +189,10 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         by (default loop_offset + loops; larger when this call continues a run, e.g. loops past the budget).
         row_loops: [B] int, a loop count per row (1..loops): row b stops after row_loops[b] loops — its state, and
         so its read-out, is that of a run with that many loops (and, budget-aware, that budget).
+        read_only: with read_at, nothing but the read-outs at read_at is wanted (a training step whose loss reads
+        them): the last layer of the last loop computes those positions only (`Layer.forward_at`; its keys and
+        values still come from every position), and `hidden` is then [N,D] at read_at. Ignored where it cannot
+        apply (a cache, row_loops, dropout, a budget per row).
         """
         if halt is not None:
             if state is not None or loop_offset:
@@ -208,17 +212,20 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         grad = torch.is_grad_enabled()
         grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
         use_ckpt = cfg.checkpoint and grad and cache is None
+        sparse = read_only and read_at is not None and cache is None and row_loops is None and cfg.dropout == 0 \
+            and (mods is None or mods.dim() == 4)                                      # the last loop at read_at
         h, states = (e if state is None else state), []
         for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
             h_prev = h
             if (t > 0 or state is not None) and cfg.input_injection:
                 h = h + e
             mods_t = None if mods is None else mods[t]
+            at = read_at if sparse and t == R - 1 else None                            # -> h: [N,D]
             with torch.set_grad_enabled(grad and t >= grad_from):
                 if use_ckpt and t >= grad_from:
-                    h = checkpoint(self._block, h, mods_t, mask, None, t, use_reentrant=False)
+                    h = checkpoint(self._block, h, mods_t, mask, None, t, at, use_reentrant=False)
                 else:
-                    h = self._block(h, mods_t, mask, cache, t)
+                    h = self._block(h, mods_t, mask, cache, t, at)
             if row_loops is not None:                # rows past their own loop count keep their state
                 h = torch.where((row_loops > t)[:, None, None], h, h_prev)
             if return_all:
@@ -417,12 +424,16 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return self.modulations(loops, device, offset, budget)
 
     def _block(self, h: torch.Tensor, mods_t, mask: Optional[torch.Tensor],
-               cache: Optional[KVCache], t: int) -> torch.Tensor:
+               cache: Optional[KVCache], t: int, at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """TF(h, t): the block's k layers at loop t (layer i of loop t uses cache slot t·k + i); mods_t: [k,4,D] or
-        the k layers' prepared `Modulation`s."""
+        the k layers' prepared `Modulation`s. With `at` [N] the last layer computes only those of the flattened
+        B·T positions: [B,T,D] -> [N,D]."""
         k = len(self.blocks)
         for i, blk in enumerate(self.blocks):
-            h = blk(h, None if mods_t is None else mods_t[i], mask, cache, t * k + i)
+            mod = None if mods_t is None else mods_t[i]
+            if at is not None and i == k - 1:
+                return blk.forward_at(h, at, mod, mask)
+            h = blk(h, mod, mask, cache, t * k + i)
         return h
 
     def _read_out(self, h: torch.Tensor, states: Optional[list[torch.Tensor]], attn_mask: Optional[torch.Tensor],
@@ -432,7 +443,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         read-out. The exit gate's stop logits likewise when the model has one (per loop: not with `read_at`)."""
         if read_at is not None and self.head.kind == "sequence":
             raise UserError("read_at selects positions of a token-wise read-out, not of a pooled sequence head")
-        at = (lambda z: z.flatten(-3, -2).index_select(-2, read_at)) if read_at is not None else (lambda z: z)
+        at = (lambda z: z if z.dim() == 2 else z.flatten(-3, -2).index_select(-2, read_at)) \
+            if read_at is not None else (lambda z: z)                # a read_only last loop is at read_at already
         if states is None:
             out = LoopOutput(logits=self.head(self.norm_f(at(h)), attn_mask), hidden=h, loops=ran)
         else:

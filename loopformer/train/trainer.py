@@ -298,12 +298,12 @@ class Trainer:
 
     def forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
                      targets: torch.Tensor, weight: Optional[torch.Tensor], R: int, return_all: bool,
-                     read_loops: Optional[int], n_read: Optional[int], row_loops: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, LoopOutput]:
+                     read_loops: Optional[int], n_read: Optional[int], row_loops: Optional[torch.Tensor] = None,
+                     read_only: bool = False) -> tuple[torch.Tensor, LoopOutput]:
         """`_forward_loss`, compiled at the model's final loop count when `compiles` says so (a loop curriculum's
         shorter steps stay eager: each loop count would be a graph of its own). With train.compile=auto a
         compilation that fails falls back to eager with one warning."""
-        args = (x, state, offset, at, targets, weight, R, return_all, read_loops, n_read, row_loops)
+        args = (x, state, offset, at, targets, weight, R, return_all, read_loops, n_read, row_loops, read_only)
         if self.compiled is None or R != self.cfg.model.loops:
             return self._forward_loss(*args)
         if self.compile_s:
@@ -323,13 +323,14 @@ class Trainer:
 
     def _forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
                       targets: torch.Tensor, weight: Optional[torch.Tensor], R: int, return_all: bool,
-                      read_loops: Optional[int], n_read: Optional[int], row_loops: Optional[torch.Tensor] = None
-                      ) -> tuple[torch.Tensor, LoopOutput]:
+                      read_loops: Optional[int], n_read: Optional[int], row_loops: Optional[torch.Tensor] = None,
+                      read_only: bool = False) -> tuple[torch.Tensor, LoopOutput]:
         """One supervision step: the forward from `state` (None: the read-in) and its summed loss over the last
         `n_read` read-outs (None: the final one) at the positions `at` — one graph when compiled. `row_loops`: a
-        loop count per row (budgets drawn per row)."""
+        loop count per row (budgets drawn per row). `read_only`: nothing but the loss reads the output, so the last
+        loop computes the positions `at` only (`LoopedTransformer.forward`)."""
         out = self.net(x, loops=R, state=state, loop_offset=offset, return_all=return_all, read_at=at,
-                       read_loops=read_loops, row_loops=row_loops)
+                       read_loops=read_loops, row_loops=row_loops, read_only=read_only)
         logits = out.logits if n_read is None else out.all_logits[-n_read:]
         if out.all_logits is not None:   # a copy, not a view of all_logits: compiled graphs whose outputs alias
             out.logits = out.logits.clone()   # each other fail when replayed from torch's compilation cache
@@ -433,6 +434,7 @@ class Trainer:
         k = 1 if n_read is None else n_read
         step_timestep = cfg.model.step_timestep
         return_all, read_loops = n_read is not None or per_loop_gate, None if per_loop_gate else n_read
+        read_only = N == 1 and not gated and tc.fixed_point == 0   # nothing reads the final hidden state
         for i, mb in enumerate(micro):
             at = mb.get("read_at")                               # [n] | None: every position
             targets = mb["targets"] if "step_targets" not in mb else \
@@ -447,7 +449,7 @@ class Trainer:
                     with self.autocast():
                         s, out = self.forward_loss(mb["inputs"], state, step_offset(step_timestep, j, R_mb), at,
                                                    targets, mb.get("weight"), R_mb, return_all, read_loops, n_read,
-                                                   rows)
+                                                   rows, read_only)
                         loss = s * (d.world / (global_count * k * N)) + self.elastic_losses(mb, out, R_mb,
                                                                                              d.world / global_count)
                     if gated:   # a mean over this micro-batch: DDP averages it over processes
