@@ -142,7 +142,9 @@ def main() -> None:
     ap.add_argument("--rule", default="gate:0.5", help="the halting rule of the generation part")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (one per process on a shared machine)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     if args.checkpoint and not args.halt:
         args.halt = ["kl:1e-3"]
 
