@@ -2,9 +2,10 @@
 
 import pytest
 
-from loopformer.configio import from_dict, load_config, to_dict
+from loopformer.configio import from_dict, load_config, shipped_config, to_dict
 from loopformer.errors import UserError
 from loopformer.model import ModelConfig
+from loopformer.train.config import load_run_config
 
 
 def test_overrides_and_yaml(tmp_path):
@@ -44,3 +45,20 @@ def test_direct_construction_validates():
         ModelConfig()
     with pytest.raises(ValueError, match="tie_embeddings"):
         ModelConfig(input_dim=3, n_out=2, tie_embeddings=True)
+
+
+def test_epochs_without_steps_train_for_those_epochs(tmp_path):
+    """A config giving `train.epochs` and no `train.steps` must not fall back to the default step count."""
+    from loopformer.train.optim import steps_for
+
+    cfg = load_run_config(shipped_config("lcs60.yaml"))
+    assert (cfg.train.steps, cfg.train.epochs) == (0, 50.0)
+    assert steps_for(cfg.train.steps, cfg.train.epochs, cfg.task.n_train, cfg.train.batch_size) == \
+        -(-50 * cfg.task.n_train // cfg.train.batch_size)
+    p = tmp_path / "c.yaml"
+    p.write_text("task: {name: edit_distance, n_train: 640}\ntrain: {epochs: 2, batch_size: 64}\n")
+    assert load_run_config(p).train.steps == 0
+    assert load_run_config(p, ["train.steps=7"]).train.steps == 7                   # steps given: steps win
+    p.write_text("task: {name: edit_distance, n_train: 640}\ntrain: {epochs: 2, steps: 5}\n")
+    assert load_run_config(p).train.steps == 5
+    assert load_run_config(None, ["task.name=edit_distance"]).train.steps == 1000   # neither: the default

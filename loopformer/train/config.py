@@ -238,6 +238,7 @@ def _raw_layers(path: Optional[str | os.PathLike], overrides: Iterable[str]) -> 
 def load_run_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
                     base: Optional[dict] = None) -> RunConfig:
     """Load a run config: defaults < `base` < what the task fixes < YAML at `path` < dotted `overrides`.
+    A config that sets `train.epochs` and not `train.steps` trains for those epochs (steps = 0 below the YAML).
 
     The task section is read first, the task is built (see `loopformer.sources.model_fields`), and the model
     fields it fixes are merged in below the YAML, so the YAML may still override e.g. `model.max_len`.
@@ -251,6 +252,9 @@ def load_run_config(path: Optional[str | os.PathLike] = None, overrides: Iterabl
     task_raw = dict((base or {}).get("task", {}) or {})
     task_raw.update(raw.get("task", {}) or {})
     task_cfg = load_config(TaskConfig, base={"task": task_raw}["task"]) if task_raw else TaskConfig()
-    fixed = {"model": model_fields(task_cfg)}
+    fixed: dict = {"model": model_fields(task_cfg)}
+    train_raw = raw.get("train")
+    if isinstance(train_raw, dict) and train_raw.get("epochs") and "steps" not in train_raw:
+        fixed["train"] = {"steps": 0}   # epochs given without steps: the default step count must not win
     merged_base = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base or {}), OmegaConf.create(fixed)))
     return load_config(RunConfig, path, overrides, base=merged_base)  # type: ignore[arg-type]
