@@ -104,6 +104,8 @@ class KVCache:
         self.loops = 0  # set by the model on the first call; later calls must use the same loop count
         self.mods = None  # the loop modulations [R,k,4,D]: fixed weights for a cache's lifetime, computed once
         self.prepared = None  # ... and as every layer applies them, [R][k] `Modulation`s
+        self.row_mods = None  # ... with α = 1 + s, for rows at loops of their own (depth-wise generation)
+        self.rows = torch.arange(batch, device=device)
 
     @property
     def slots(self) -> int:
@@ -172,12 +174,12 @@ class DepthwiseKV:
 
     def __init__(self, cache: KVCache, rows: torch.Tensor, loops: torch.Tensor, cols: torch.Tensor, layers: int,
                  width: int):
-        self.cache, self.rows, self.cols, self.width = cache, rows, cols, width
-        self.base = loops * layers                                             # [n] slot of layer 0 at loop t_i
+        self.cache, self.cols, self.width = cache, cols, width
+        self.at0 = loops * (layers * cache.k.shape[1]) + rows                  # [n] (slot of layer 0, row) index
 
     def update(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
-        at = (self.base + slot) * c.k.shape[1] + self.rows                     # [n] in the (slot, row) axis
+        at = self.at0 + slot * c.k.shape[1] if slot else self.at0             # [n] in the (slot, row) axis
         out = []
         for buf, new in ((c.k, k), (c.v, v)):                                  # k, v: [n,H,1,Dh]
             flat = buf.view(-1, *buf.shape[2:])                                # [R·k·B,H,L,Dh]

@@ -30,7 +30,8 @@ from loopformer.model.config import ModelConfig
 from loopformer.model.diagnostics import is_timestep_param
 from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, stops, update_streak
 from loopformer.model.heads import Embed, Head
-from loopformer.model.layers import DepthwiseKV, KVCache, RMSNorm, RunningKV, TimestepEmbedder, make_layer
+from loopformer.model.layers import (DepthwiseKV, KVCache, Modulation, RMSNorm, RunningKV, TimestepEmbedder,
+                                     make_layer)
 
 
 @dataclass
@@ -331,21 +332,31 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
 
     @torch.no_grad()
     def loop_rows(self, h: torch.Tensor, e: torch.Tensor, t: torch.Tensor, cache: KVCache, cols: torch.Tensor,
-                  real: torch.Tensor) -> torch.Tensor:
+                  seen: torch.Tensor) -> torch.Tensor:
         """One loop for every row of `cache`, each at a loop of its own (depth-wise batched generation,
         `loopformer.text.generate`): row i computes its token at column cols_i in loop t_i (0-based), attending to
-        the real columns up to cols_i in that loop's slot.
+        the columns `seen` marks in that loop's slot.
 
-        h, e: [B,1,D] the rows' hidden states and read-ins; t, cols: [B]; real: [B,S] bool, the columns that hold
-        real tokens. Returns the hidden states after the loop [B,1,D]."""
+        h, e: [B,1,D] the rows' hidden states and read-ins; t, cols: [B]; seen: [B,W] bool, the columns row i's
+        token attends to (its real columns up to cols_i; W = the widest row's cols_i + 1). Returns the hidden states
+        after the loop [B,1,D]."""
         inp = torch.where((t > 0)[:, None, None], h + e, h) if self.config.input_injection else h
-        mods = self._loop_modulations(cache.loops, h.device, cache)                    # [R,k,4,D] | None
-        mods = None if mods is None else mods[t].permute(1, 2, 0, 3).unsqueeze(-2)     # [k,4,B,1,D]
-        width = int(cols.max()) + 1
-        seen = real[:, :width] & (torch.arange(width, device=h.device)[None] <= cols[:, None])  # [B,width]
-        rows = torch.arange(h.shape[0], device=h.device)
-        kv = DepthwiseKV(cache, rows, t, cols, len(self.blocks), width)
+        mods = self._row_modulations(cache)                                            # [R,k,4,D] | None
+        if mods is not None:
+            m = mods.index_select(0, t).unsqueeze(-2)                                  # [B,k,4,1,D]
+            mods = [Modulation(*m[:, i].unbind(1), folded=False) for i in range(len(self.blocks))]
+        kv = DepthwiseKV(cache, cache.rows, t, cols, len(self.blocks), seen.shape[1])
         return self._block(inp, mods, seen[:, None, None], kv, 0)
+
+    def _row_modulations(self, cache: KVCache) -> Optional[torch.Tensor]:
+        """[γ1, γ2, α1, α2] (α = 1 + s) of every loop and layer for rows at loops of their own, [R,k,4,D]: computed
+        once per cache (None without timestep encoding)."""
+        mods = self._loop_modulations(cache.loops, cache.k.device, cache)              # [R,k,4,D] | None
+        if mods is None:
+            return None
+        if cache.row_mods is None:
+            cache.row_mods = torch.cat([mods[:, :, :2], 1 + mods[:, :, 2:]], dim=2)
+        return cache.row_mods
 
     @staticmethod
     def _rows(mask: Optional[torch.Tensor], run: torch.Tensor, B: int) -> Optional[torch.Tensor]:

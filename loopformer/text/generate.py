@@ -224,7 +224,9 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
     dev, k, R = mask.device, len(model.blocks), cache.loops
     bound = min(rule.bound(R), R)
     positions = model.config.indexed_positions
-    real = torch.cat([mask, torch.ones(B, N, dtype=torch.bool, device=dev)], dim=1)     # [B,P+N] real columns
+    seen = torch.cat([mask, torch.zeros(B, N, dtype=torch.bool, device=dev)], dim=1)   # [B,P+N] the columns the
+    seen[:, P] = True                                                   # rows' current tokens attend to
+    width = P + 1                                                       # ... up to the widest row's column
     plen = mask.sum(1)                                                                  # [B] real prompt tokens
     tok, n = first.clone(), torch.zeros(B, dtype=torch.long, device=dev)               # current token, its index
     t, streak = torch.zeros_like(n), torch.zeros_like(n)                               # its loops so far
@@ -235,13 +237,17 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
     e, prev_logits = torch.zeros_like(h), None
     stop_eos = cfg.stop_at_eos and eos_id is not None
     done = torch.full((B,), N == 1, dtype=torch.bool, device=dev) | (stop_eos & (first == eos_id))
+    fresh = True                                                        # some row starts a token this tick
     bar = tqdm(total=B * (N - 1), desc="generating", unit="tok", disable=not progress)
     while not bool(done.all()):        # one tick: every row one loop further (rows that are done idle along)
-        starts = (t == 0)[:, None, None]                                                # rows starting a token
-        pos = (plen + n)[:, None] if positions else None                                # as the left-padded path
-        e = torch.where(starts, model.embed(tok[:, None], pos), e)
-        h_prev = torch.where(starts, e, h)
-        h = model.loop_rows(h_prev, e, t, cache, P + n, real)
+        if fresh:                      # rows starting a token: its read-in (the other rows keep theirs)
+            starts = (t == 0)[:, None, None]                                            # [B,1,1]
+            pos = (plen + n)[:, None] if positions else None                            # as the left-padded path
+            e = torch.where(starts, model.embed(tok[:, None], pos), e)
+            h_prev = torch.where(starts, e, h)
+        else:
+            h_prev = h
+        h = model.loop_rows(h_prev, e, t, cache, P + n, seen[:, :width])
         logits = model.head(model.norm_f(h)) if rule.needs_read_out else None            # [B,1,V]
         holds = criterion_holds(rule, hidden=h, hidden_prev=h_prev, logits=logits, logits_prev=prev_logits,
                                 stop_logits=None if model.exit_gate is None else model.exit_gate(h))
@@ -251,16 +257,25 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
         streak = update_streak(streak, holds)
         t = torch.where(done, 0, t + 1)                                                 # done rows idle at loop 1
         stop = (stops(rule, streak, t, bound) | (t >= bound)) & ~done
-        if not bool(stop.any()):
+        fresh = bool(stop.any())
+        if not fresh:
             continue
         fin = stop.nonzero().squeeze(1)                                                 # tokens done: the next
-        freeze_later_loops(cache, fin, P + n[fin], t[fin], k)
-        read = logits[fin] if logits is not None else model.head(model.norm_f(h[fin]))
+        t_fin, n_fin = t.index_select(0, fin), n.index_select(0, fin) + 1
+        freeze_later_loops(cache, fin, P + n_fin - 1, t_fin, k)
+        read = logits.index_select(0, fin) if logits is not None else \
+            model.head(model.norm_f(h.index_select(0, fin)))
         nxt = sample_next(read[:, -1], cfg.temperature, cfg.top_k, cfg.top_p, gen)
-        n[fin] += 1
-        out[fin, n[fin]], exits[fin, n[fin]] = nxt, t[fin]
-        tok[fin], t[fin], streak[fin] = nxt, 0, 0
-        done[fin] = (n[fin] == N - 1) | (stop_eos & (nxt == eos_id))
+        n.index_copy_(0, fin, n_fin)
+        out.index_put_((fin, n_fin), nxt)
+        exits.index_put_((fin, n_fin), t_fin)
+        tok.index_copy_(0, fin, nxt)
+        t.masked_fill_(stop, 0)
+        streak.masked_fill_(stop, 0)
+        ended = n_fin == N - 1
+        done.index_copy_(0, fin, ended | (nxt == eos_id) if stop_eos else ended)
+        seen.index_put_((fin, P + n_fin), torch.ones_like(fin, dtype=torch.bool))
+        width = P + int(n.max()) + 1
         bar.update(fin.numel())
     bar.close()
     count = (n + 1).tolist()
