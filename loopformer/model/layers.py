@@ -203,8 +203,15 @@ def freeze_later_loops(cache: KVCache, rows: torch.Tensor, cols: torch.Tensor, e
             buf[lp * layers + j, r, :, c] = buf[src + j, r, :, c]
 
 
+MATH_ATTENTION_MAX_T = 48   # compiled bidirectional attention over at most this many tokens: matmul-softmax-matmul
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention through `scaled_dot_product_attention`; q, k, v come from one projection."""
+    """Multi-head self-attention; q, k, v come from one projection. Through `scaled_dot_product_attention`, except
+    under `torch.compile` for bidirectional attention without a mask over at most `MATH_ATTENTION_MAX_T` tokens (the
+    CPU studies' 18-40-token rows), which runs as softmax(q·kᵀ·scale)·v: the same math, which the compiler fuses
+    into a faster step there than the fused kernel's (benchmarks/bench_attention.py; eager, the kernel is as fast
+    or faster)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -230,7 +237,11 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(slot, k, v)                                     # [B,H,S,Dh]
         dropout = self.p_drop if self.training else 0.0
-        if mask is None:
+        if (mask is None and cache is None and not self.causal and T <= MATH_ATTENTION_MAX_T and dropout == 0
+                and torch.compiler.is_compiling()):
+            scale = self.scale if self.scale is not None else self.dh ** -0.5
+            y = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1) @ v        # [B,H,T,T] @ [B,H,T,Dh]
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=self.causal and T > 1,
                                                scale=self.scale)
         else:

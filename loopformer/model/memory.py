@@ -7,8 +7,9 @@ n_layers = 1e6) is refused without building anything:
     parameters    the exact parameter count of `LoopedTransformer(cfg)` × 4
     optimiser     training: gradients and AdamW's two moments, 3 × parameters
     activations   training: per token, layer and loop in the graph about 12·D + 2·F saved values (block input
-                  and norms, q/k/v, attention output, MLP hidden before and after the activation; attention runs
-                  through `scaled_dot_product_attention`, whose fused kernels keep no T × T probabilities), at
+                  and norms, q/k/v, attention output, MLP hidden before and after the activation; the fused
+                  attention kernels keep no T × T probabilities, the compiled matmul attention of short
+                  bidirectional rows keeps H·T per token), at
                   `act_bytes` each (2 under bf16 / fp16 autocast); with activation checkpointing one loop's worth
                   plus D per loop; inference: one layer's working set and one T × T score matrix per head
     read-outs     the logits of every read-out the loss or the evaluation keeps: R × B × T × C (× 2 in training:
@@ -29,6 +30,7 @@ import torch
 
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
+from loopformer.model.layers import MATH_ATTENTION_MAX_T
 
 GiB = 1024 ** 3
 MAX_LOOPS = 1024   # the most loops an evaluation or generation runs, or twice the trained loops if that is more
@@ -82,6 +84,8 @@ def estimate(cfg: ModelConfig, *, batch: int, seq_len: Optional[int] = None, loo
     out = {"parameters": 4 * params}
     per_token_layer = 12 * D + 2 * F
     if training:
+        if not cfg.causal and T <= MATH_ATTENTION_MAX_T:                # compiled matmul attention: probabilities
+            per_token_layer += H * T
         out["optimiser"] = 4 * params * 3 + (4 * params if ema else 0)
         graph = R if cfg.grad_loops is None else min(R, cfg.grad_loops)
         stored = (L * per_token_layer + graph * D) if cfg.checkpoint else graph * L * per_token_layer
