@@ -237,10 +237,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(slot, k, v)                                     # [B,H,S,Dh]
         dropout = self.p_drop if self.training else 0.0
-        if (mask is None and cache is None and not self.causal and T <= MATH_ATTENTION_MAX_T and dropout == 0
-                and torch.compiler.is_compiling()):
-            scale = self.scale if self.scale is not None else self.dh ** -0.5
-            y = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1) @ v        # [B,H,T,T] @ [B,H,T,Dh]
+        if mask is None and cache is None and not self.causal and self._math(T, dropout):
+            y = self.math_attention(q, k, v)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=self.causal and T > 1,
                                                scale=self.scale)
@@ -248,6 +246,16 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale)
         y = y.transpose(1, 2).reshape(B, T, inner)                              # [B,T,H·Dh]
         return self.drop(self.proj(y))
+
+    @staticmethod
+    def _math(T: int, dropout: float) -> bool:
+        """Whether unmasked attention over T keys runs as `math_attention` (compiled, short rows, no dropout)."""
+        return T <= MATH_ATTENTION_MAX_T and dropout == 0 and torch.compiler.is_compiling()
+
+    def math_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q·kᵀ·scale)·v: [B,H,Tq,Dh], [B,H,T,Dh] x2 -> [B,H,Tq,Dh] (scale: 1/sqrt(Dh) unless set)."""
+        scale = self.scale if self.scale is not None else self.dh ** -0.5
+        return torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1) @ v          # [B,H,Tq,T] @ [B,H,T,Dh]
 
     def attend_at(self, xn: torch.Tensor, at: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """The attention output at the flattened positions `at` [N] of the B·T positions only: queries projected
@@ -270,7 +278,10 @@ class Attention(nn.Module):
         else:
             allowed = None
         dropout = self.p_drop if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale)
+        if allowed is None and self._math(T, dropout):
+            y = self.math_attention(q, k, v)                                             # [N,H,1,Dh]
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale)
         return self.drop(self.proj(y.reshape(N, inner)))                                # [N,D]
 
 
