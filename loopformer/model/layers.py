@@ -208,10 +208,10 @@ MATH_ATTENTION_MAX_T = 48   # compiled bidirectional attention over at most this
 
 class Attention(nn.Module):
     """Multi-head self-attention; q, k, v come from one projection. Through `scaled_dot_product_attention`, except
-    under `torch.compile` for bidirectional attention without a mask over at most `MATH_ATTENTION_MAX_T` tokens (the
-    CPU studies' 18-40-token rows), which runs as softmax(q·kᵀ·scale)·v: the same math, which the compiler fuses
-    into a faster step there than the fused kernel's (benchmarks/bench_attention.py; eager, the kernel is as fast
-    or faster)."""
+    under `torch.compile` on a CPU for bidirectional attention without a mask over at most `MATH_ATTENTION_MAX_T`
+    tokens (the CPU studies' 18-40-token rows), which runs as softmax(q·kᵀ·scale)·v: the same math, which the
+    compiler fuses into a faster step there than the fused kernel's (benchmarks/bench_attention.py; eager, the
+    kernel is as fast or faster; GPUs keep the kernel: not measured there)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -237,7 +237,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(slot, k, v)                                     # [B,H,S,Dh]
         dropout = self.p_drop if self.training else 0.0
-        if mask is None and cache is None and not self.causal and self._math(T, dropout):
+        if mask is None and cache is None and not self.causal and self._math(q, T, dropout):
             y = self.math_attention(q, k, v)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=self.causal and T > 1,
@@ -248,9 +248,11 @@ class Attention(nn.Module):
         return self.drop(self.proj(y))
 
     @staticmethod
-    def _math(T: int, dropout: float) -> bool:
-        """Whether unmasked attention over T keys runs as `math_attention` (compiled, short rows, no dropout)."""
-        return T <= MATH_ATTENTION_MAX_T and dropout == 0 and torch.compiler.is_compiling()
+    def _math(x: torch.Tensor, T: int, dropout: float) -> bool:
+        """Whether unmasked attention over T keys runs as `math_attention`: compiled, on a CPU (where it was
+        measured), short rows, no dropout."""
+        return (T <= MATH_ATTENTION_MAX_T and dropout == 0 and x.device.type == "cpu"
+                and torch.compiler.is_compiling())
 
     def math_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q·kᵀ·scale)·v: [B,H,Tq,Dh], [B,H,T,Dh] x2 -> [B,H,Tq,Dh] (scale: 1/sqrt(Dh) unless set)."""
@@ -278,7 +280,7 @@ class Attention(nn.Module):
         else:
             allowed = None
         dropout = self.p_drop if self.training else 0.0
-        if allowed is None and self._math(T, dropout):
+        if allowed is None and self._math(q, T, dropout):
             y = self.math_attention(q, k, v)                                             # [N,H,1,Dh]
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale)
