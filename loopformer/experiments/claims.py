@@ -166,6 +166,14 @@ def median_range(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+def diff_label(rule: Rule, higher_is_better: bool, metric: str = "") -> str:
+    """What a paired rule's differences measure: a − b, or b − a where lower is better (the sign that makes a
+    positive difference the claim's direction)."""
+    if higher_is_better:
+        return f"{rule.a} − {rule.b}"
+    return f"{rule.b} − {rule.a} ({metric + ': ' if metric else ''}lower is better)"
+
+
 def verdict(rule: Rule, a: list[float], b: Optional[list[float]] = None, higher_is_better: bool = True) -> Verdict:
     """Apply `rule` to arm a's per-seed values (and arm b's, paired by seed) — see the module docstring."""
     if not a or (rule.kind == "paired" and (b is None or len(b) != len(a))):
@@ -174,7 +182,7 @@ def verdict(rule: Rule, a: list[float], b: Optional[list[float]] = None, higher_
         sign = 1.0 if higher_is_better else -1.0
         vals = [sign * (x - y) for x, y in zip(a, b)]
         target, above = rule.margin, True
-        what = f"{rule.a} − {rule.b}" if higher_is_better else f"{rule.b} − {rule.a} (lower is better)"
+        what = diff_label(rule, higher_is_better)
         cond = f"> {rule.margin:g}"
     else:
         vals, target, above = list(a), rule.value, rule.kind == "at_least"

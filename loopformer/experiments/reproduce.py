@@ -32,7 +32,8 @@ import torch
 
 from loopformer.configio import shipped_config
 from loopformer.errors import UserError
-from loopformer.experiments.claims import Claim, Experiment, median_range, metric_value, select, verdict, load_registry
+from loopformer.experiments.claims import (Claim, Experiment, diff_label, load_registry, median_range, metric_value,
+                                          select, verdict)
 from loopformer.experiments.sweep import RunSpec, run_specs
 from loopformer.fileio import write_figure, write_json, write_text
 from loopformer.sources import source_class
@@ -217,10 +218,7 @@ def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: O
 
 
 def _diff_label(j: dict) -> str:
-    """What a paired difference measures: a − b, or b − a for a metric where lower is better (the sign that makes a
-    positive difference the claim's direction)."""
-    r = j["claim"].rule
-    return f"{r.a} − {r.b}" if j["higher_is_better"] else f"{r.b} − {r.a} ({j['claim'].metric}: lower is better)"
+    return diff_label(j["claim"].rule, j["higher_is_better"], j["claim"].metric)
 
 
 def _ours(j: dict) -> str:

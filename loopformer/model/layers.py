@@ -52,10 +52,9 @@ class Modulation(NamedTuple):
     alpha_mlp: torch.Tensor
     folded: bool
 
-    @staticmethod
-    def norm(norm: nn.Module, x: torch.Tensor, alpha: torch.Tensor, folded: bool) -> torch.Tensor:
-        """α ⊙ norm(x), TMLT's α ⊙ RMSN(x)."""
-        return rms_norm(x, alpha, norm.eps) if folded else norm(x) * alpha
+    def norm(self, norm: nn.Module, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """α ⊙ norm(x), TMLT's α ⊙ RMSN(x) (`alpha`: this modulation's alpha_attn or alpha_mlp)."""
+        return rms_norm(x, alpha, norm.eps) if self.folded else norm(x) * alpha
 
 
 def _folded_gain(norm: nn.Module, s: torch.Tensor) -> torch.Tensor:
@@ -327,12 +326,8 @@ class Layer(nn.Module):
     def forward(self, x: torch.Tensor, mod: Union[torch.Tensor, Modulation, None] = None,
                 mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
         # x: [B,T,D]; mod: [4,D] (or [4,B,1,D], per row), this layer's modulation at this loop, or it `prepare`d
-        if mod is None:
-            x = x + self.attn(self.norm1(x), mask, cache, slot)
-            return x + self.mlp(self.norm2(x))
-        m = mod if isinstance(mod, Modulation) else self.prepare(mod)
-        x = torch.addcmul(x, m.gate_attn, self.attn(m.norm(self.norm1, x, m.alpha_attn, m.folded), mask, cache, slot))
-        return torch.addcmul(x, m.gate_mlp, self.mlp(m.norm(self.norm2, x, m.alpha_mlp, m.folded)))
+        m = None if mod is None else (mod if isinstance(mod, Modulation) else self.prepare(mod))
+        return self._residuals(x, self.attn(self._norm1(x, m), mask, cache, slot), m)
 
     def forward_at(self, x: torch.Tensor, at: torch.Tensor, mod: Union[torch.Tensor, Modulation, None] = None,
                    mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -340,14 +335,20 @@ class Layer(nn.Module):
         layer whose other positions nothing reads: the attention's queries, the output projection, the MLP and the
         residual run on N rows; keys and values still come from every position. mod: one modulation for all rows."""
         m = None if mod is None else (mod if isinstance(mod, Modulation) else self.prepare(mod))
-        xn = self.norm1(x) if m is None else m.norm(self.norm1, x, m.alpha_attn, m.folded)   # [B,T,D]
-        a = self.attn.attend_at(xn, at, mask)                                                 # [N,D]
-        x = x.flatten(0, 1).index_select(0, at)                                               # [N,D]
+        a = self.attn.attend_at(self._norm1(x, m), at, mask)                                 # [N,D]
+        return self._residuals(x.flatten(0, 1).index_select(0, at), a, m)
+
+    def _norm1(self, x: torch.Tensor, m: Optional[Modulation]) -> torch.Tensor:
+        """The attention's input: RMSN(x), or α1 ⊙ RMSN(x) under a modulation."""
+        return self.norm1(x) if m is None else m.norm(self.norm1, x, m.alpha_attn)
+
+    def _residuals(self, x: torch.Tensor, a: torch.Tensor, m: Optional[Modulation]) -> torch.Tensor:
+        """X' = X + (γ1 ⊙) a with a the attention output, then X' + (γ2 ⊙) FF((α2 ⊙) RMSN(X'))."""
         if m is None:
             x = x + a
             return x + self.mlp(self.norm2(x))
         x = torch.addcmul(x, m.gate_attn, a)
-        return torch.addcmul(x, m.gate_mlp, self.mlp(m.norm(self.norm2, x, m.alpha_mlp, m.folded)))
+        return torch.addcmul(x, m.gate_mlp, self.mlp(m.norm(self.norm2, x, m.alpha_mlp)))
 
 
 class AuthorsLoopedLayer(Layer):
