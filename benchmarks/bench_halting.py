@@ -5,12 +5,14 @@ saved. Both paths run side by side in this run (interleaved repetitions, medians
 loops saved, wall time of fixed depth and of halting, their ratio (the speed-up) next to the ideal ratio R / mean
 loops. Generation: new tokens/s with a halting rule against fixed depth (the same model, cache on), with the mean
 loops per token and the loops run per step (a step of a batch lasts as long as its slowest row), for one prompt and
-for a batch.
+for a batch; with `--compile` also the depth-wise schedule with its tick compiled (`SamplingConfig.compile`; its
+first call, the compilation, is timed apart and not counted).
 
 By default the models are random with an exit gate whose stop probability varies by row / token (the rule is the
 gate's, `gate:0.5`); with `--checkpoint RUN` the per-row part uses a trained run's test split and `--halt` rules.
 
     python benchmarks/bench_halting.py                                   # random models, CPU-sized
+    python benchmarks/bench_halting.py --compile                         # ... and the compiled tick
     python benchmarks/bench_halting.py --checkpoint runs/demo-r8 --halt kl:1e-3 --halt argmax:2
 """
 
@@ -109,8 +111,12 @@ def generation(args, batch: int) -> dict:
     cfgs = {"fixed": SamplingConfig(max_new_tokens=args.new_tokens, temperature=0),
             "step": SamplingConfig(max_new_tokens=args.new_tokens, temperature=0, halt=args.rule, schedule="step"),
             "depthwise": SamplingConfig(max_new_tokens=args.new_tokens, temperature=0, halt=args.rule)}
-    for c in cfgs.values():                                                        # warm-up
-        generate(model, prompts, SamplingConfig(**{**c.__dict__, "max_new_tokens": 4}))
+    if args.compile and batch > 1:
+        cfgs["compiled"] = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0, halt=args.rule, compile=True)
+    compile_s = None
+    for k, c in cfgs.items():                                                      # warm-up (and compilation)
+        s, _ = timed(lambda: generate(model, prompts, c), args.device)
+        compile_s = s if k == "compiled" else compile_s
     times: dict = {k: [] for k in cfgs}
     res = {}
     for _ in range(args.reps):   # interleaved, so load changes affect all alike
@@ -118,10 +124,11 @@ def generation(args, batch: int) -> dict:
             t, res[k] = timed(lambda: generate(model, prompts, c), args.device)
             times[k].append(t)
     assert res["step"].tokens == res["depthwise"].tokens, "the two schedules disagree"
+    assert "compiled" not in res or res["compiled"].tokens == res["depthwise"].tokens, "the compiled tick disagrees"
     n = batch * args.new_tokens
     loops = res["step"].exit_loops.float()                                         # [B,N]
     return {**{k: n / statistics.median(v) for k, v in times.items()}, "mean": float(loops.mean()),
-            "per_step": float(loops.max(0).values.mean())}
+            "per_step": float(loops.max(0).values.mean()), "compile_s": compile_s}
 
 
 def main() -> None:
@@ -141,6 +148,7 @@ def main() -> None:
     ap.add_argument("--gen-batch", type=int, default=4)
     ap.add_argument("--rule", default="gate:0.5", help="the halting rule of the generation part")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--compile", action="store_true", help="generation: also the compiled depth-wise tick")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (one per process on a shared machine)")
     args = ap.parse_args()
@@ -160,13 +168,17 @@ def main() -> None:
               f"{fixed / halted:.2f}x | {ideal:.2f}x |")
     print(f"\ngeneration with per-token exits (random causal TMLT d={args.d_model}, {args.loops} loops, "
           f"{args.new_tokens} new tokens, cache on, rule {args.rule}); the schedules give the same tokens")
-    print("| prompts | fixed tok/s | exits, step by step | exits, depth-wise | mean loops / token | "
+    comp = " exits, depth-wise compiled (compilation s) |" if args.compile else ""
+    print("| prompts | fixed tok/s | exits, step by step | exits, depth-wise |" + comp + " mean loops / token | "
           "loops run per step (step by step) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|" + ("---|" if args.compile else "") + "---|---|")
     for batch in sorted({1, args.gen_batch}):
         r = generation(args, batch)
+        c = "" if not args.compile else " . |" if "compiled" not in r else \
+            f" {r['compiled']:.1f} ({r['compiled'] / r['fixed']:.2f}x; {r['compile_s']:.1f} s) |"
         print(f"| {batch} | {r['fixed']:.1f} | {r['step']:.1f} ({r['step'] / r['fixed']:.2f}x) | "
-              f"{r['depthwise']:.1f} ({r['depthwise'] / r['fixed']:.2f}x) | {r['mean']:.2f} | {r['per_step']:.2f} |")
+              f"{r['depthwise']:.1f} ({r['depthwise'] / r['fixed']:.2f}x) |{c} {r['mean']:.2f} | "
+              f"{r['per_step']:.2f} |")
 
 
 if __name__ == "__main__":

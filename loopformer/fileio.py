@@ -1,5 +1,5 @@
 """File-system helpers used across loopformer: atomic writes of files and folders, reading a folder's JSON
-manifest, and choosing the torch device.
+manifest, choosing the torch device, and whether torch.compile can generate code for it.
 
 Atomic writes: the content goes to a hidden temporary name next to its destination (`.NAME.tmp-*`) and is renamed
 into place (`os.replace`), so a reader never sees a half-written file and a failure leaves nothing behind. A folder
@@ -10,6 +10,7 @@ folder is first renamed aside (`.NAME.old-*`) and deleted after the swap (`repla
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -153,5 +154,14 @@ def pick_device(choice: Optional[str] = "auto", local_rank: int = 0) -> torch.de
     return torch.device("cpu")
 
 
+def can_compile(device: torch.device) -> bool:
+    """Whether torch.compile's code generation is available on `device`: Triton on a CUDA device, a C++ compiler
+    on a CPU."""
+    if device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    return device.type == "cpu" and any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++",
+                                                                      "clang++"))
+
+
 __all__ = ["temp_path", "write_with", "write_text", "write_json", "write_figure", "replace_dir", "new_folder",
-           "read_manifest", "check_device", "pick_device", "DEVICES"]
+           "read_manifest", "check_device", "pick_device", "can_compile", "DEVICES"]

@@ -4,9 +4,12 @@ generation with exits equals its recomputation."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
+from loopformer import fileio
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.model.halting import HaltRule, criterion_holds
@@ -164,6 +167,49 @@ def test_depthwise_batched_generation_gives_the_tokens_of_the_step_schedule(rule
     assert few[0].tokens == few[1].tokens and few[0].finished == few[1].finished and any(few[1].finished)
     for a, b, toks in zip(few[0].exit_loops.tolist(), few[1].exit_loops.tolist(), few[1].tokens):
         assert a[:len(toks)] == b[:len(toks)] and max(b) <= 4 and all(x == 0 for x in b[len(toks):])
+
+
+@pytest.mark.parametrize("over", [{"n_layers": 2}, {"timestep": False, "input_injection": False},
+                                  {"pos": "none", "n_layers": 2}])
+def test_depthwise_writes_through_the_cache_the_step_schedule_leaves(over):
+    """Every token's keys/values, written through to the slots of the loops after its own as it computes them,
+    leave the cache as the step schedule does (each stopped token's deepest loop copied into the later slots), for
+    blocks of two layers, models without timestep encoding or input injection, and without learned positions."""
+    torch.manual_seed(2)
+    cfg = ModelConfig(**{**dict(vocab_size=17, max_len=24, d_model=24, n_heads=2, loops=5, causal=True,
+                                timestep=True, input_injection=True, exit_gate=True), **over})
+    m = LoopedTransformer(cfg).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        m.exit_gate.proj.bias.zero_()
+    caches, new_cache = [], m.new_cache
+    m.new_cache = lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1]
+    prompts, N = [[1, 2, 3, 4], [5, 6], [7, 8, 9]], 8
+    step = generate(m, prompts, SamplingConfig(max_new_tokens=N, temperature=0, halt="gate:0.5", schedule="step"))
+    deep = generate(m, prompts, SamplingConfig(max_new_tokens=N, temperature=0, halt="gate:0.5"))
+    assert deep.tokens == step.tokens and deep.exit_loops.tolist() == step.exit_loops.tolist()
+    assert len(set(deep.exit_loops[:, 1:].flatten().tolist())) >= 2                 # tokens stopped at different loops
+    P = 4                                       # the last token is sampled, never fed: its column is not compared
+    torch.testing.assert_close(caches[1].kv[..., :P + N - 1, :], caches[0].kv[..., :P + N - 1, :], rtol=0,
+                               atol=1e-12)
+
+
+@pytest.mark.skipif(not shutil.which("g++") and not shutil.which("c++"), reason="no C++ compiler for torch.compile")
+def test_compiled_tick_decodes_as_the_eager_tick():
+    m = model(True, seed=1).float()
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11], [12]]
+    for rule in ("gate:0.5", "kl:0.05"):
+        eager = generate(m, prompts, SamplingConfig(max_new_tokens=9, temperature=0, halt=rule))
+        comp = generate(m, prompts, SamplingConfig(max_new_tokens=9, temperature=0, halt=rule, compile=True))
+        assert comp.tokens == eager.tokens and comp.exit_loops.tolist() == eager.exit_loops.tolist()
+        assert len(set(comp.exit_loops.flatten().tolist())) >= 2
+
+
+def test_compile_without_a_compiler_is_refused(monkeypatch):
+    monkeypatch.setattr(fileio.shutil, "which", lambda name: None)
+    with pytest.raises(UserError, match="C\\+\\+ compiler"):
+        generate(model(True), [[1, 2], [3]], SamplingConfig(max_new_tokens=3, halt="gate:0.5", compile=True))
 
 
 def test_depthwise_generation_samples_reproducibly():

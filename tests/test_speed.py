@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from loopformer import fileio
 from loopformer.errors import UserError
 from loopformer.model import LoopedTransformer
 from loopformer.model.config import ModelConfig
@@ -202,7 +203,7 @@ def test_compile_setting_and_the_auto_rule(monkeypatch):
     def cfg(*extra):
         return load_run_config(None, [*BASE, *TASKS["ed"], *extra])
 
-    monkeypatch.setattr(trainer_mod.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(fileio.shutil, "which", lambda name: "/usr/bin/" + name)
     assert not compiles(cfg("train.compile=auto"), cpu, 999)                   # too short to repay compiling
     assert compiles(cfg("train.compile=auto"), cpu, 1000)
     assert not compiles(cfg("train.compile=auto"), mps, 5000)
@@ -210,7 +211,7 @@ def test_compile_setting_and_the_auto_rule(monkeypatch):
     # a loop curriculum: only the steps at the final loop count run compiled, and count
     cur = cfg("model.loops=8", "train.loops_start=2", "train.loops_every=100", "train.loops_increment=2")
     assert not compiles(cur, cpu, 1299) and compiles(cur, cpu, 1300)          # 8 loops from step 300 on
-    monkeypatch.setattr(trainer_mod.shutil, "which", lambda name: None)        # no C++ compiler
+    monkeypatch.setattr(fileio.shutil, "which", lambda name: None)        # no C++ compiler
     assert not compiles(cfg("train.compile=auto"), cpu, 5000)
 
 
@@ -238,7 +239,7 @@ def test_auto_falls_back_to_eager_when_compiling_fails(tmp_path, monkeypatch, ca
         return call
     monkeypatch.setattr(trainer_mod.torch, "compile", broken)
     monkeypatch.setattr(trainer_mod, "COMPILE_MIN_STEPS", 1)
-    monkeypatch.setattr(trainer_mod.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(fileio.shutil, "which", lambda name: "/usr/bin/" + name)
     res = train(load_run_config(None, [*BASE, *TASKS["ed"], "train.compile=auto", f"out_dir={tmp_path / 'a'}"]))
     err = capsys.readouterr().err
     assert "compiling the training step failed, training eagerly (no compiler here)" in err

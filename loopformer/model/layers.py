@@ -91,13 +91,13 @@ class KVCache:
     """Key/value cache for generation: one slot per (loop, layer), because the hidden state that produces the keys
     differs at every loop. Preallocated to `max_len` positions; `length` is the number of positions filled.
 
-        k, v: [R·k, B, H, max_len, Dh]
+        k, v: [R·k, B, H, max_len, Dh]   (views of one buffer kv [2, R·k, B, H, max_len, Dh])
     """
 
     def __init__(self, slots: int, batch: int, heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        self.k = torch.zeros(slots, batch, heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.kv = torch.zeros(2, slots, batch, heads, max_len, head_dim, dtype=dtype, device=device)
+        self.k, self.v = self.kv[0], self.kv[1]
         self.max_len = max_len
         self.length = 0
         self.loops = 0  # set by the model on the first call; later calls must use the same loop count
@@ -105,6 +105,7 @@ class KVCache:
         self.prepared = None  # ... and as every layer applies them, [R][k] `Modulation`s
         self.row_mods = None  # ... with α = 1 + s, for rows at loops of their own (depth-wise generation)
         self.rows = torch.arange(batch, device=device)
+        self.later = None  # depth-wise generation: the entries a token at loop t writes (`DepthwiseKV.tables`)
 
     @property
     def slots(self) -> int:
@@ -166,40 +167,47 @@ class RunningKV:
 
 
 class DepthwiseKV:
-    """The rows of a `KVCache` in depth-wise batched generation: every row computes one new token, each at its own
-    loop t_i ([n]) and its own column c_i ([n]). `update` writes the token's keys/values into its slot t_i·k + layer
-    and returns each row's keys/values of that slot up to column `width` − 1 ([n,H,width,Dh]; the caller's mask
-    hides the columns past c_i)."""
+    """The rows of a `KVCache` in depth-wise batched generation: every row b computes one new token, each at its
+    own loop t_b and its own column c_b ([B]). `update` writes the token's keys/values into its slot t_b·k + layer
+    and into the same layer's slots of every later loop, and returns each row's keys/values of slot t_b·k + layer
+    up to column `width` − 1 ([B,H,width,Dh]; the caller's mask hides the columns past c_b).
 
-    def __init__(self, cache: KVCache, rows: torch.Tensor, loops: torch.Tensor, cols: torch.Tensor, layers: int,
-                 width: int):
-        self.cache, self.cols, self.width = cache, cols, width
-        self.at0 = loops * (layers * cache.k.shape[1]) + rows                  # [n] (slot of layer 0, row) index
+    Writing through to the later loops leaves the cache as `RunningKV`'s policy does when a token stops: the slots
+    of the loops it did not run hold its deepest computed loop's keys/values (the last write), the entries later
+    tokens read — with no copy when it stops. A slot of a later loop is read only by the same row's later tokens,
+    which start after this one has stopped. Keys and values are written and read together, through indices into
+    the cache's combined buffer looked up per (loop, row) in tables made once per cache: a handful of operations
+    per loop, which runs once per row and loop of every token."""
+
+    def __init__(self, cache: KVCache, loops: torch.Tensor, cols: torch.Tensor, layers: int, width: int):
+        _, S, B, H, L, Dh = cache.kv.shape                                     # S = R·k slots
+        self.width, self.layer_rows, self.layer_entries = width, B, B * H * L
+        self.slot_rows = cache.kv.view(2 * S * B, H, L, Dh)                    # the (k|v, slot, row) axis
+        self.entries = cache.kv.view(-1, Dh)                                   # the (k|v, slot, row, head, col) axis
+        later, first = cache.later                                             # made by `prepare_rows`
+        at = cache.rows.add(loops, alpha=B)                                    # [B] (loop t_b, row b)
+        self.at = first.index_select(1, at).view(-1)                           # [2B] keys then values
+        self.through = later.index_select(0, at) + cols.view(B, 1, 1, 1)       # [B,2,R,H]
+
+    @staticmethod
+    def tables(R: int, layers: int, B: int, H: int, L: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per (loop t, row b) = t·B + b: the entries of column 0 its token writes through to, [R·B,2,R,H] (k|v,
+        loop max(t, l), head), and its layer-0 slots in the (k|v, slot, row) axis, [2,R·B]."""
+        t, b = torch.arange(R, device=device), torch.arange(B, device=device)
+        kv = torch.tensor([0, R * layers * B], device=device)                  # the values' offset, in slot rows
+        slot_rows = torch.maximum(t[:, None], t[None]) * (layers * B)          # [R,R] (t, l)
+        rows = kv[None, :, None] + slot_rows[:, None] + b[:, None, None, None]  # [B,R,2,R] (b, t, k|v, l)
+        later = (rows.transpose(0, 1) * (H * L))[..., None] + torch.arange(H, device=device) * L
+        first = kv[:, None, None] + (t * (layers * B))[None, :, None] + b      # [2,R,B]
+        return later.flatten(0, 1), first.flatten(1, 2)
 
     def update(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.cache
-        at = self.at0 + slot * c.k.shape[1] if slot else self.at0             # [n] in the (slot, row) axis
-        out = []
-        for buf, new in ((c.k, k), (c.v, v)):                                  # k, v: [n,H,1,Dh]
-            flat = buf.view(-1, *buf.shape[2:])                                # [R·k·B,H,L,Dh]
-            flat[at, :, self.cols] = new[:, :, 0]
-            out.append(flat[:, :, :self.width].index_select(0, at))           # [n,H,width,Dh]
-        return out[0], out[1]
-
-
-def freeze_later_loops(cache: KVCache, rows: torch.Tensor, cols: torch.Tensor, exits: torch.Tensor,
-                       layers: int) -> None:
-    """Tokens that stopped after loop exits_i (1-based; rows [m], columns [m]): their keys/values of that loop fill
-    every later loop's slots, the entries later tokens read (`RunningKV`'s policy)."""
-    loops = cache.slots // layers
-    later = torch.arange(loops, device=rows.device)[None] >= exits[:, None]   # [m,R]: loop index >= exit loop
-    i, lp = later.nonzero(as_tuple=True)                                       # pairs (token, later loop)
-    if i.numel() == 0:
-        return
-    r, c, src = rows[i], cols[i], (exits[i] - 1) * layers
-    for j in range(layers):
-        for buf in (cache.k, cache.v):
-            buf[lp * layers + j, r, :, c] = buf[src + j, r, :, c]
+        B = k.shape[0]                                                          # k, v: [B,H,1,Dh]
+        through, at = (self.through + slot * self.layer_entries, self.at + slot * self.layer_rows) if slot \
+            else (self.through, self.at)
+        self.entries.index_put_((through,), torch.stack([k, v], 1).transpose(2, 3))   # [B,2,1,H,Dh] -> [B,2,R,H,Dh]
+        out = self.slot_rows[:, :, :self.width].index_select(0, at)           # [2B,H,width,Dh]
+        return out[:B], out[B:]
 
 
 MATH_ATTENTION_MAX_T = 48   # compiled bidirectional attention over at most this many tokens: matmul-softmax-matmul

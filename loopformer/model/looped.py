@@ -331,31 +331,35 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return out
 
     @torch.no_grad()
-    def loop_rows(self, h: torch.Tensor, e: torch.Tensor, t: torch.Tensor, cache: KVCache, cols: torch.Tensor,
+    def loop_rows(self, x: torch.Tensor, t: torch.Tensor, cache: KVCache, cols: torch.Tensor,
                   seen: torch.Tensor) -> torch.Tensor:
         """One loop for every row of `cache`, each at a loop of its own (depth-wise batched generation,
         `loopformer.text.generate`): row i computes its token at column cols_i in loop t_i (0-based), attending to
         the columns `seen` marks in that loop's slot.
 
-        h, e: [B,1,D] the rows' hidden states and read-ins; t, cols: [B]; seen: [B,W] bool, the columns row i's
-        token attends to (its real columns up to cols_i; W = the widest row's cols_i + 1). Returns the hidden states
-        after the loop [B,1,D]."""
-        inp = torch.where((t > 0)[:, None, None], h + e, h) if self.config.input_injection else h
-        mods = self._row_modulations(cache)                                            # [R,k,4,D] | None
+        x: [B,1,D] the rows' block inputs (the read-in at a token's first loop; after it the hidden state, plus the
+        read-in with input injection); t, cols: [B]; seen: [B,W] bool, the columns row i's token attends to (its
+        real columns up to cols_i; W = the widest row's cols_i + 1). Returns the hidden states after the loop
+        [B,1,D]."""
+        mods = self.prepare_rows(cache)                                                # [R,k·4,1,D] | None
         if mods is not None:
-            m = mods.index_select(0, t).unsqueeze(-2)                                  # [B,k,4,1,D]
-            mods = [Modulation(*m[:, i].unbind(1), folded=False) for i in range(len(self.blocks))]
-        kv = DepthwiseKV(cache, cache.rows, t, cols, len(self.blocks), seen.shape[1])
-        return self._block(inp, mods, seen[:, None, None], kv, 0)
+            m = mods.index_select(0, t).unbind(1)                                      # k·4 × [B,1,D]
+            mods = [Modulation(*m[4 * i:4 * i + 4], folded=False) for i in range(len(self.blocks))]
+        kv = DepthwiseKV(cache, t, cols, len(self.blocks), seen.shape[1])
+        return self._block(x, mods, seen[:, None, None], kv, 0)
 
-    def _row_modulations(self, cache: KVCache) -> Optional[torch.Tensor]:
-        """[γ1, γ2, α1, α2] (α = 1 + s) of every loop and layer for rows at loops of their own, [R,k,4,D]: computed
-        once per cache (None without timestep encoding)."""
+    def prepare_rows(self, cache: KVCache) -> Optional[torch.Tensor]:
+        """What `loop_rows` looks up, made once per cache: the cache entries per (loop, row)
+        (`DepthwiseKV.tables`) and [γ1, γ2, α1, α2] (α = 1 + s) of every loop and layer, [R,k·4,1,D], which it
+        returns (None without timestep encoding)."""
+        if cache.later is None:
+            _, S, B, H, L, _ = cache.kv.shape
+            cache.later = DepthwiseKV.tables(cache.loops, len(self.blocks), B, H, L, cache.kv.device)
         mods = self._loop_modulations(cache.loops, cache.k.device, cache)              # [R,k,4,D] | None
         if mods is None:
             return None
         if cache.row_mods is None:
-            cache.row_mods = torch.cat([mods[:, :, :2], 1 + mods[:, :, 2:]], dim=2)
+            cache.row_mods = torch.cat([mods[:, :, :2], 1 + mods[:, :, 2:]], dim=2).flatten(1, 2).unsqueeze(2)
         return cache.row_mods
 
     @staticmethod

@@ -93,6 +93,9 @@ def _generate_parser(parent, help_suffix: str) -> None:
     p.add_argument("--schedule", choices=["depthwise", "step"], default="depthwise",
                    help="with --halt and several prompts: each prompt at a loop of its own (depthwise) or all "
                         "advancing token by token (step); the same tokens under greedy decoding")
+    p.add_argument("--compile", action="store_true",
+                   help="with the depthwise schedule: compile its tick (torch.compile; seconds to compile, "
+                        "repaid over long outputs; a C++ compiler on a CPU)")
     add_device(p)
     p.set_defaults(func=_generate)
 
@@ -145,7 +148,7 @@ def _perplexity(args) -> int:
 def _generate(args) -> int:
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, loops=args.loops, halt=args.halt,
-                         schedule=args.schedule)
+                         schedule=args.schedule, compile=args.compile)
     device = pick_device(args.device)
     if not os.path.isdir(args.checkpoint):
         raise UserError(f"checkpoint not found: {args.checkpoint}")

@@ -22,8 +22,13 @@ the prompts, rows no longer advance together. Each row computes its current toke
 of its own; a row whose token stops samples its next token at once and starts it at loop 1 in the next tick, so the
 batch stays full and a token costs its own loops, not the slowest row's (`LoopedTransformer.loop_rows`). Every
 token sees the same keys and values as in the step-by-step schedule ("step"), so greedy decoding gives the same
-tokens; with sampling the rows draw from the generator in another order. A single prompt (nothing to regroup) and
-`return_logits` use the step schedule.
+tokens; with sampling the rows draw from the generator in another order. A token's keys and values are written
+through to the slots of every later loop as it computes them, so when it stops those slots already hold its deepest
+loop's (`loopformer.model.layers.DepthwiseKV`). A single prompt (nothing to regroup) and `return_logits` use the
+step schedule. A tick is a few dozen small operations whatever the width, so on a CPU with narrow models its
+per-operation cost can outweigh the loops the exits save; `SamplingConfig.compile` runs the tick's model part
+(`_tick`) under torch.compile (one graph per batch size and cache length, compiled in seconds on first use, the
+attention then reading every column of the cache under its mask).
 
 Sampling (`sample_next`): logits / temperature (0 = greedy), then top-k (keep the k largest), then top-p (keep the
 smallest set of tokens whose probability reaches p), then one draw from a seeded `torch.Generator` — the same seed
@@ -42,8 +47,8 @@ import torch
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
+from loopformer.fileio import can_compile
 from loopformer.model.halting import NEEDS_PREVIOUS, HaltRule, criterion_holds, stops, update_streak
-from loopformer.model.layers import freeze_later_loops
 from loopformer.model.memory import check_fits, check_loops, estimate
 
 
@@ -58,6 +63,7 @@ class SamplingConfig:
     loops: Optional[int] = None     # loops at inference (default: the model's)
     halt: Optional[str] = None      # adaptive depth per token, a halting rule such as "kl:1e-3" (None: fixed depth)
     schedule: str = "depthwise"     # with `halt` and the cache: "depthwise" (each row at its own loop) | "step"
+    compile: bool = False           # the depth-wise schedule's tick under torch.compile (pays for long outputs)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -151,6 +157,9 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
         raise UserError(f"prompt ({P} tokens) + {N} new tokens exceed the model's context of {max_len}; "
                         "shorten them or generate without the cache")
     check_loops(cfg.loops, model.config.loops)
+    if cfg.compile and not can_compile(device):
+        raise UserError(f"compile needs torch.compile's code generation on {device.type} (a C++ compiler on a "
+                        "CPU, Triton on CUDA)")
     if use_cache and memory_check:   # every loop keeps its own keys and values: refuse before allocating them
         R = cfg.loops or (HaltRule.parse(cfg.halt).max_loops if cfg.halt is not None else None) or model.config.loops
         check_fits(estimate(model.config, batch=B, seq_len=P + N, loops=R, cache_len=P + N), device,
@@ -212,6 +221,33 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
                       exit_loops=torch.stack(exit_loops[:len(out_tokens[0])], 1).cpu() if exit_loops else None)
 
 
+def _tick(model, cache, rule: HaltRule, bound: int, x: torch.Tensor, h_prev: torch.Tensor,
+          logits_prev: Optional[torch.Tensor], t: torch.Tensor, live: torch.Tensor, cols: torch.Tensor,
+          seen: torch.Tensor):
+    """The model's part of a depth-wise tick: one loop for every row (`LoopedTransformer.loop_rows`), the read-out
+    where the rule reads one, whether the criterion holds [B], the loops done t + live [B], and for a rule that
+    stops where its criterion holds once, the rows that stop [B] (None for the others)."""
+    h = model.loop_rows(x, t, cache, cols, seen)                                       # [B,1,D]
+    logits = model.head(model.norm_f(h)) if rule.needs_read_out else None               # [B,1,V]
+    holds = criterion_holds(rule, hidden=h, hidden_prev=h_prev, logits=logits, logits_prev=logits_prev,
+                            stop_logits=None if model.exit_gate is None else model.exit_gate(h))
+    t = t + live                                                                        # done rows idle at loop 1
+    plain = rule.patience == 1 and rule.min_loops <= 1 and rule.criterion not in NEEDS_PREVIOUS
+    return h, logits, holds, t, (holds | (t >= bound)) & live if plain else None
+
+
+_compiled_tick = None
+
+
+def compiled_tick():
+    """`_tick` under torch.compile, made once per process (static shapes: a graph per batch size and cache length,
+    up to torch's recompilation limit, after which it runs eagerly)."""
+    global _compiled_tick
+    if _compiled_tick is None:
+        _compiled_tick = torch.compile(_tick, dynamic=False)
+    return _compiled_tick
+
+
 @torch.no_grad()
 def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, first_exits: torch.Tensor,
                      rule: HaltRule, N: int, cfg: SamplingConfig, gen: torch.Generator, eos_id: Optional[int] = None,
@@ -221,13 +257,15 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
     Returns each row's new tokens (up to N, and up to and including EOS when `cfg.stop_at_eos`) and the loops
     each one's logits took [B,N] (0 where a row stopped early)."""
     B, P = mask.shape
-    dev, k, R = mask.device, len(model.blocks), cache.loops
+    dev, R = mask.device, cache.loops
     bound = min(rule.bound(R), R)
     positions = model.config.indexed_positions
+    greedy = cfg.temperature == 0
     seen = torch.cat([mask, torch.zeros(B, N, dtype=torch.bool, device=dev)], dim=1)   # [B,P+N] the columns the
     seen[:, P] = True                                                   # rows' current tokens attend to
     width = P + 1                                                       # ... up to the widest row's column
     plen = mask.sum(1)                                                                  # [B] real prompt tokens
+    rows, true = cache.rows, torch.ones(B, dtype=torch.bool, device=dev)
     tok, n = first.clone(), torch.zeros(B, dtype=torch.long, device=dev)               # current token, its index
     t, streak = torch.zeros_like(n), torch.zeros_like(n)                               # its loops so far
     out = torch.zeros(B, N, dtype=torch.long, device=dev)
@@ -236,47 +274,57 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
     h = torch.zeros(B, 1, model.config.d_model, device=dev, dtype=cache.k.dtype)       # [B,1,D]
     e, prev_logits = torch.zeros_like(h), None
     stop_eos = cfg.stop_at_eos and eos_id is not None
-    done = torch.full((B,), N == 1, dtype=torch.bool, device=dev) | (stop_eos & (first == eos_id))
-    fresh = True                                                        # some row starts a token this tick
+    live = ~(torch.full((B,), N == 1, dtype=torch.bool, device=dev) | (stop_eos & (first == eos_id)))  # not done
+    inject = model.config.input_injection
+    model.prepare_rows(cache)
+    tick = compiled_tick() if cfg.compile else _tick
+    cols, fresh = P + n, True           # the rows' current columns; some row starts a token this tick
     bar = tqdm(total=B * (N - 1), desc="generating", unit="tok", disable=not progress)
-    while not bool(done.all()):        # one tick: every row one loop further (rows that are done idle along)
+    while True:                        # one tick: every row one loop further (rows that are done idle along)
+        h_prev = h
         if fresh:                      # rows starting a token: its read-in (the other rows keep theirs)
-            starts = (t == 0)[:, None, None]                                            # [B,1,1]
-            pos = (plen + n)[:, None] if positions else None                            # as the left-padded path
-            e = torch.where(starts, model.embed(tok[:, None], pos), e)
-            h_prev = torch.where(starts, e, h)
+            if not bool(live.any()):
+                break
+            starts = (t == 0).view(B, 1, 1)
+            pos = (plen + n).view(B, 1) if positions else None                         # as the left-padded path
+            e = torch.where(starts, model.embed(tok.view(B, 1), pos), e)
+            x = torch.where(starts, e, h + e if inject else h)
         else:
-            h_prev = h
-        h = model.loop_rows(h_prev, e, t, cache, P + n, seen[:, :width])
-        logits = model.head(model.norm_f(h)) if rule.needs_read_out else None            # [B,1,V]
-        holds = criterion_holds(rule, hidden=h, hidden_prev=h_prev, logits=logits, logits_prev=prev_logits,
-                                stop_logits=None if model.exit_gate is None else model.exit_gate(h))
-        if rule.criterion in NEEDS_PREVIOUS:
-            holds = holds & (t > 0)                                                     # nothing to compare yet
-        prev_logits = logits
-        streak = update_streak(streak, holds)
-        t = torch.where(done, 0, t + 1)                                                 # done rows idle at loop 1
-        stop = (stops(rule, streak, t, bound) | (t >= bound)) & ~done
+            x = h + e if inject else h
+        attend = seen if cfg.compile else seen[:, :width]   # compiled: every column (one shape, one graph)
+        h, logits, holds, t, stop = tick(model, cache, rule, bound, x, h_prev, prev_logits, t, live, cols,
+                                         attend)            # keys/values written through to the later loops
+        if stop is None:               # a rule with patience, a first loop or a comparison with the previous one
+            if rule.criterion in NEEDS_PREVIOUS:
+                holds = holds & (t > 1)                                                 # nothing to compare yet
+            prev_logits = logits
+            streak = update_streak(streak, holds)
+            stop = stops(rule, streak, t, bound) & live
         fresh = bool(stop.any())
         if not fresh:
             continue
-        fin = stop.nonzero().squeeze(1)                                                 # tokens done: the next
-        t_fin, n_fin = t.index_select(0, fin), n.index_select(0, fin) + 1
-        freeze_later_loops(cache, fin, P + n_fin - 1, t_fin, k)
-        read = logits.index_select(0, fin) if logits is not None else \
-            model.head(model.norm_f(h.index_select(0, fin)))
-        nxt = sample_next(read[:, -1], cfg.temperature, cfg.top_k, cfg.top_p, gen)
-        n.index_copy_(0, fin, n_fin)
-        out.index_put_((fin, n_fin), nxt)
-        exits.index_put_((fin, n_fin), t_fin)
-        tok.index_copy_(0, fin, nxt)
-        t.masked_fill_(stop, 0)
-        streak.masked_fill_(stop, 0)
-        ended = n_fin == N - 1
-        done.index_copy_(0, fin, ended | (nxt == eos_id) if stop_eos else ended)
-        seen.index_put_((fin, P + n_fin), torch.ones_like(fin, dtype=torch.bool))
-        width = P + int(n.max()) + 1
-        bar.update(fin.numel())
+        # each stopped row samples its next token and starts it in the next tick; the other rows' entries below
+        # are rewritten unchanged (whole-batch operations: fewer of them than gathering the stopped rows)
+        read = model.head(model.norm_f(h)) if logits is None else logits                # [B,1,V]
+        if greedy:
+            nxt = torch.where(stop, read[:, -1].argmax(-1), tok)                        # [B]
+        else:                          # draws for the stopped rows only, in row order
+            fin = stop.nonzero().squeeze(1)
+            nxt = tok.index_copy(0, fin, sample_next(read[:, -1].index_select(0, fin), cfg.temperature,
+                                                     cfg.top_k, cfg.top_p, gen))
+        n = n + stop
+        cols = P + n
+        out.index_put_((rows, n), nxt)
+        exits.index_put_((rows, n), t * stop, accumulate=True)                          # + 0 where not stopped
+        seen.index_put_((rows, cols), true)
+        tok = nxt
+        t, streak = t.masked_fill(stop, 0), streak.masked_fill(stop, 0)
+        live = live & (n < N - 1)
+        if stop_eos:
+            live = live & ~(stop & (nxt == eos_id))
+        width = int(cols.max()) + 1
+        if progress:
+            bar.update(int(stop.sum()))
     bar.close()
     count = (n + 1).tolist()
     return [row[:c] for row, c in zip(out.tolist(), count)], exits

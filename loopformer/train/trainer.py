@@ -22,10 +22,7 @@ Shapes: B batch, T length, R loops, C classes.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
-import os
-import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -39,6 +36,7 @@ from tqdm.auto import tqdm
 from loopformer import configio
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
+from loopformer.fileio import can_compile
 from loopformer.eval.budgets import evaluate_budgets
 from loopformer.eval.evaluate import evaluate
 from loopformer.eval.halting import evaluate_halting
@@ -115,12 +113,7 @@ def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
         return False
     # the first step of the loop curriculum (`loops_at`) at R loops: after ceil((R − start) / increment) rises
     first = 0 if tc.loops_start <= 0 else -(-max(0, R - tc.loops_start) // tc.loops_increment) * tc.loops_every
-    if total - first < COMPILE_MIN_STEPS:
-        return False
-    if device.type == "cuda":
-        return importlib.util.find_spec("triton") is not None
-    return device.type == "cpu" and any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++",
-                                                                      "clang++"))
+    return total - first >= COMPILE_MIN_STEPS and can_compile(device)
 
 
 def read_positions(batch: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
