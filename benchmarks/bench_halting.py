@@ -6,7 +6,9 @@ loops saved, wall time of fixed depth and of halting, their ratio (the speed-up)
 loops. Generation: new tokens/s with a halting rule against fixed depth (the same model, cache on), with the mean
 loops per token and the loops run per step (a step of a batch lasts as long as its slowest row), for one prompt and
 for a batch; with `--compile` also the depth-wise schedule with its tick compiled (`SamplingConfig.compile`; its
-first call, the compilation, is timed apart and not counted).
+first call, the compilation, is timed apart and not counted), and fixed depth through the same compiled tick (the
+rule `gate:1`, which never holds: every token runs every loop; the fixed-depth tokens), so that exits are also
+compared with a compiled fixed depth.
 
 By default the models are random with an exit gate whose stop probability varies by row / token (the rule is the
 gate's, `gate:0.5`); with `--checkpoint RUN` the per-row part uses a trained run's test split and `--halt` rules.
@@ -113,6 +115,8 @@ def generation(args, batch: int) -> dict:
             "depthwise": SamplingConfig(max_new_tokens=args.new_tokens, temperature=0, halt=args.rule)}
     if args.compile and batch > 1:
         cfgs["compiled"] = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0, halt=args.rule, compile=True)
+        cfgs["compiled-fixed"] = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0, halt="gate:1",
+                                                compile=True)
     compile_s = None
     for k, c in cfgs.items():                                                      # warm-up (and compilation)
         s, _ = timed(lambda: generate(model, prompts, c), args.device)
@@ -124,11 +128,22 @@ def generation(args, batch: int) -> dict:
             t, res[k] = timed(lambda: generate(model, prompts, c), args.device)
             times[k].append(t)
     assert res["step"].tokens == res["depthwise"].tokens, "the two schedules disagree"
+    ops = {k: top_level_ops(lambda: generate(model, prompts, c)) for k, c in cfgs.items()} if args.ops else {}
     assert "compiled" not in res or res["compiled"].tokens == res["depthwise"].tokens, "the compiled tick disagrees"
+    assert "compiled" not in res or res["compiled-fixed"].tokens == res["fixed"].tokens, "gate:1 is not fixed depth"
     n = batch * args.new_tokens
     loops = res["step"].exit_loops.float()                                         # [B,N]
     return {**{k: n / statistics.median(v) for k, v in times.items()}, "mean": float(loops.mean()),
-            "per_step": float(loops.max(0).values.mean()), "compile_s": compile_s}
+            "per_step": float(loops.max(0).values.mean()), "compile_s": compile_s, "ops": ops}
+
+
+def top_level_ops(fn) -> int:
+    """The aten operators `fn` dispatches from Python (not those they call in turn), counted by torch.profiler."""
+    from torch.profiler import profile
+    with profile() as p:
+        fn()
+    return sum(1 for e in p.events() if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
 def main() -> None:
@@ -149,6 +164,8 @@ def main() -> None:
     ap.add_argument("--rule", default="gate:0.5", help="the halting rule of the generation part")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="generation: also the compiled depth-wise tick")
+    ap.add_argument("--ops", action="store_true",
+                    help="generation: also count the operators dispatched per new token")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (one per process on a shared machine)")
     args = ap.parse_args()
@@ -168,18 +185,23 @@ def main() -> None:
               f"{fixed / halted:.2f}x | {ideal:.2f}x |")
     print(f"\ngeneration with per-token exits (random causal TMLT d={args.d_model}, {args.loops} loops, "
           f"{args.new_tokens} new tokens, cache on, rule {args.rule}); the schedules give the same tokens")
-    comp = " exits, depth-wise compiled (compilation s) |" if args.compile else ""
+    comp = " exits, depth-wise compiled (compilation s) | fixed, compiled tick | exits / fixed, both compiled |" \
+        if args.compile else ""
     print("| prompts | fixed tok/s | exits, step by step | exits, depth-wise |" + comp + " mean loops / token | "
           "loops run per step (step by step) |")
-    print("|---|---|---|---|" + ("---|" if args.compile else "") + "---|---|")
+    print("|---|---|---|---|" + ("---|---|---|" if args.compile else "") + "---|---|")
     for batch in sorted({1, args.gen_batch}):
         r = generation(args, batch)
-        c = "" if not args.compile else " . |" if "compiled" not in r else \
-            f" {r['compiled']:.1f} ({r['compiled'] / r['fixed']:.2f}x; {r['compile_s']:.1f} s) |"
+        c = "" if not args.compile else " . | . | . |" if "compiled" not in r else \
+            (f" {r['compiled']:.1f} ({r['compiled'] / r['fixed']:.2f}x; {r['compile_s']:.1f} s) | "
+             f"{r['compiled-fixed']:.1f} ({r['compiled-fixed'] / r['fixed']:.2f}x) | "
+             f"{r['compiled'] / r['compiled-fixed']:.2f}x |")
         print(f"| {batch} | {r['fixed']:.1f} | {r['step']:.1f} ({r['step'] / r['fixed']:.2f}x) | "
               f"{r['depthwise']:.1f} ({r['depthwise'] / r['fixed']:.2f}x) |{c} {r['mean']:.2f} | "
               f"{r['per_step']:.2f} |")
-
+        if r["ops"]:
+            print(f"  operators dispatched per new token ({batch} prompts): " + ", ".join(
+                f"{k} {v / (batch * args.new_tokens):.0f}" for k, v in r["ops"].items()))
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The training step on a CUDA GPU, side by side in one run per config: eager fp32, eager bf16 autocast, compiled
 # bf16, and compiled bf16 with CUDA graphs of the whole step (compile_mode=reduce-overhead) — on the study configs
-# (edit distance d = 64, r = 16, every loop's loss; its TMLT; pointer chasing r = 32) and the language model.
+# (edit distance d = 64, r = 16, every loop's loss; its TMLT; pointer chasing r = 32) and the language model; then
+# generation with per-token exits at 4 prompts against fixed depth, eager and with the depth-wise tick compiled.
 #   bash benchmarks/gpu.sh [--against COMMIT]       # e.g. --against HEAD~5 adds that commit as the first source
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,3 +18,4 @@ run configs/cpu/pointer.yaml model.loops=32 train.loops_start=0 "$@"
 [ -d data/shakespeare ] || "$PY" -m loopformer.cli text prepare plays --out data/shakespeare --tokenizer bpe \
   --vocab-size 1024
 run configs/cpu/shakespeare.yaml "$@"
+for d in 128 512; do "$PY" benchmarks/bench_halting.py --device cuda --reps 7 --compile --d-model "$d" --heads 8; done

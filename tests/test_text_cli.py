@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from loopformer import fileio
 from loopformer.cli import main
 from loopformer.model import LoopedTransformer, ModelConfig
 from loopformer.model.io import save_checkpoint
@@ -102,7 +103,7 @@ def test_generate_cli(setup, capsys):
     one_line_error(capsys, "CRITERION:THRESHOLD")
 
 
-def test_generate_with_exits_in_both_schedules(setup, capsys):
+def test_generate_with_exits_in_both_schedules(setup, capsys, monkeypatch):
     tmp_path, corpus, model = setup
     args = ["generate", str(tmp_path / "ckpt"), "--prompt", "to be", "--prompt", "the question whether",
             "--max-new-tokens", "6", "--temperature", "0", "--halt", "entropy:5"]
@@ -111,6 +112,10 @@ def test_generate_with_exits_in_both_schedules(setup, capsys):
     assert main(args + ["--schedule", "step"]) == 0 and capsys.readouterr().out == deep
     assert deep.count("--- ") == 2
     assert main(args + ["--schedule", "sideways"]) == 2
+    monkeypatch.setattr(fileio.shutil, "which", lambda name: None)              # no C++ compiler: refused
+    capsys.readouterr()
+    assert main(args + ["--compile"]) == 2
+    one_line_error(capsys, "C++ compiler")
 
 
 def test_generate_from_a_run_folder_and_non_utf8_prompts(setup, capsys):

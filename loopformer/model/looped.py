@@ -353,7 +353,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         (`DepthwiseKV.tables`) and [γ1, γ2, α1, α2] (α = 1 + s) of every loop and layer, [R,k·4,1,D], which it
         returns (None without timestep encoding)."""
         if cache.later is None:
-            _, S, B, H, L, _ = cache.kv.shape
+            _, _, B, H, L, _ = cache.kv.shape                                  # [2,R·k,B,H,L,Dh]
             cache.later = DepthwiseKV.tables(cache.loops, len(self.blocks), B, H, L, cache.kv.device)
         mods = self._loop_modulations(cache.loops, cache.k.device, cache)              # [R,k,4,D] | None
         if mods is None:
