@@ -77,7 +77,7 @@ class TrainConfig:
     fixed_point_loops: int = 1
     eval_every: int = 0               # steps between evaluations (and checkpoints); 0: only at the end
     log_every: int = 10
-    precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16
+    precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 (slower on CPUs) | fp16
     compile: str = "auto"             # torch.compile the training step (forward, loss, backward) at the final loop
                                       # count: auto (on for runs of >= 1,000 such steps on a CUDA GPU or on a CPU
                                       # with a C++ compiler; off if compiling fails) | true | false
