@@ -203,5 +203,6 @@ def main() -> None:
             print(f"  operators dispatched per new token ({batch} prompts): " + ", ".join(
                 f"{k} {v / (batch * args.new_tokens):.0f}" for k, v in r["ops"].items()))
 
+
 if __name__ == "__main__":
     main()

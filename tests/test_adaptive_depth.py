@@ -20,11 +20,12 @@ RULES = ["latent:0.3", "kl:0.05", "entropy:2.5", "argmax:1", "argmax:2", "gate:0
          "latent:0.5,max=4"]
 
 
-def model(causal: bool, loops: int = 6, seed: int = 0) -> LoopedTransformer:
-    """A small TMLT with an exit gate and perturbed weights, in float64 (exact comparisons)."""
+def model(causal: bool, loops: int = 6, seed: int = 0, **over) -> LoopedTransformer:
+    """A small TMLT with an exit gate and perturbed weights, in float64 (exact comparisons); `over`: other config
+    fields."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=17, max_len=24, d_model=24, n_heads=2, loops=loops, causal=causal, timestep=True,
-                      input_injection=True, exit_gate=True)
+    cfg = ModelConfig(**{**dict(vocab_size=17, max_len=24, d_model=24, n_heads=2, loops=loops, causal=causal,
+                                timestep=True, input_injection=True, exit_gate=True), **over})
     m = LoopedTransformer(cfg).double().eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -175,14 +176,7 @@ def test_depthwise_writes_through_the_cache_the_step_schedule_leaves(over):
     """Every token's keys/values, written through to the slots of the loops after its own as it computes them,
     leave the cache as the step schedule does (each stopped token's deepest loop copied into the later slots), for
     blocks of two layers, models without timestep encoding or input injection, and without learned positions."""
-    torch.manual_seed(2)
-    cfg = ModelConfig(**{**dict(vocab_size=17, max_len=24, d_model=24, n_heads=2, loops=5, causal=True,
-                                timestep=True, input_injection=True, exit_gate=True), **over})
-    m = LoopedTransformer(cfg).double().eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-        m.exit_gate.proj.bias.zero_()
+    m = model(True, loops=5, seed=2, **over)
     caches, new_cache = [], m.new_cache
     m.new_cache = lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1]
     prompts, N = [[1, 2, 3, 4], [5, 6], [7, 8, 9]], 8

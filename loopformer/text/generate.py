@@ -232,8 +232,13 @@ def _tick(model, cache, rule: HaltRule, bound: int, x: torch.Tensor, h_prev: tor
     holds = criterion_holds(rule, hidden=h, hidden_prev=h_prev, logits=logits, logits_prev=logits_prev,
                             stop_logits=None if model.exit_gate is None else model.exit_gate(h))
     t = t + live                                                                        # done rows idle at loop 1
-    plain = rule.patience == 1 and rule.min_loops <= 1 and rule.criterion not in NEEDS_PREVIOUS
-    return h, logits, holds, t, (holds | (t >= bound)) & live if plain else None
+    return h, logits, holds, t, (holds | (t >= bound)) & live if _first_hold(rule) else None
+
+
+def _first_hold(rule: HaltRule) -> bool:
+    """Whether `rule` stops a row at the first loop its criterion holds (no patience, no earliest loop, nothing to
+    compare with the previous loop): no streak to keep."""
+    return rule.patience == 1 and rule.min_loops <= 1 and rule.criterion not in NEEDS_PREVIOUS
 
 
 _compiled_tick = None
@@ -278,6 +283,7 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
     inject = model.config.input_injection
     model.prepare_rows(cache)
     tick = compiled_tick() if cfg.compile else _tick
+    first_hold = _first_hold(rule)
     cols, fresh = P + n, True           # the rows' current columns; some row starts a token this tick
     bar = tqdm(total=B * (N - 1), desc="generating", unit="tok", disable=not progress)
     while True:                        # one tick: every row one loop further (rows that are done idle along)
@@ -318,11 +324,14 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
         exits.index_put_((rows, n), t * stop, accumulate=True)                          # + 0 where not stopped
         seen.index_put_((rows, cols), true)
         tok = nxt
-        t, streak = t.masked_fill(stop, 0), streak.masked_fill(stop, 0)
+        t = t.masked_fill(stop, 0)
+        if not first_hold:
+            streak = streak.masked_fill(stop, 0)
         live = live & (n < N - 1)
         if stop_eos:
             live = live & ~(stop & (nxt == eos_id))
-        width = int(cols.max()) + 1
+        if not cfg.compile:            # (the compiled tick attends to every column)
+            width = int(cols.max()) + 1
         if progress:
             bar.update(int(stop.sum()))
     bar.close()

@@ -36,10 +36,10 @@ from tqdm.auto import tqdm
 from loopformer import configio
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
-from loopformer.fileio import can_compile
 from loopformer.eval.budgets import evaluate_budgets
 from loopformer.eval.evaluate import evaluate
 from loopformer.eval.halting import evaluate_halting
+from loopformer.fileio import can_compile
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
