@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two records")
     a = ap.parse_args()
     if a.compare:
-        diffs = _diff(*(json.loads(Path(p).read_text()) for p in a.compare))
+        diffs = _diff(*(_clean(json.loads(Path(p).read_text())) for p in a.compare))
         print("\n".join(diffs) if diffs else "identical")
         sys.exit(1 if diffs else 0)
     if not a.out:
