@@ -1,14 +1,20 @@
-"""MkDocs hook: writes `reference/configs.md`, the reference of every config field, from the dataclasses themselves
-(names, types, defaults and the comment next to each field), so the page cannot drift from the code."""
+"""MkDocs hooks: writes `reference/configs.md`, the reference of every config field, from the dataclasses themselves
+(names, types, defaults and the comment next to each field), so the page cannot drift from the code; and serves the
+studies' compact results (`studies/`, beside `docs/`) under `studies/` on the site, so that a page's link
+`../studies/...` works both in the repository and on the site (and a broken one fails the strict build)."""
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import inspect
 import io
 import tokenize
+import re
 import typing
 from pathlib import Path
+
+from mkdocs.structure.files import File
 
 SECTIONS = [("run", "loopformer.train.config", "RunConfig"), ("model", "loopformer.model.config", "ModelConfig"),
             ("task", "loopformer.sources.base", "TaskConfig"), ("train", "loopformer.train.config", "TrainConfig"),
@@ -87,3 +93,23 @@ def on_pre_build(config, **kwargs) -> None:
     text = config_reference()
     if not path.is_file() or path.read_text() != text:
         path.write_text(text)
+
+
+STUDIES = Path(__file__).resolve().parents[1] / "studies"
+STUDY_EXCLUDE = ("*.csv", "*.json", "*.jsonl", "*.sh", "*.py")   # data and scripts: read in the repository
+
+
+def on_files(files, config, **kwargs):
+    """Every study file (pages, tables, plots) as a site file under `studies/`."""
+    for path in sorted(STUDIES.rglob("*")):
+        rel = path.relative_to(STUDIES.parent).as_posix()
+        if path.is_file() and not any(fnmatch.fnmatch(path.name, p) for p in STUDY_EXCLUDE):
+            files.append(File(rel, str(STUDIES.parent), config["site_dir"], config["use_directory_urls"]))
+    return files
+
+
+def on_page_markdown(markdown: str, page, **kwargs) -> str:
+    """A page's links into `../studies/` (from docs/, as the repository has it) point at the served copies."""
+    up = "../" * (page.file.src_uri.count("/") + 1)           # from this page to the repository root
+    here = "../" * page.file.src_uri.count("/")                # from this page to the site root
+    return re.sub(r"\]\(" + re.escape(up) + "studies/", "](" + here + "studies/", markdown)

@@ -1,4 +1,4 @@
-# Shared settings and stages of the study scripts (sourced by scripts/tmlt_study.sh and scripts/depth_study.sh after
+# Shared settings and stages of the study scripts (sourced by studies/tmlt/tmlt_study.sh and studies/depth/depth_study.sh after
 # they set STUDY, the folder of the study's sweeps). $LOOPFORMER overrides the command, $JOBS the parallel runs.
 LF=${LOOPFORMER:-.venv/bin/loopformer}
 export OMP_NUM_THREADS=1

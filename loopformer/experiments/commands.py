@@ -114,7 +114,7 @@ def register(subparsers) -> None:
     p.add_argument("--registry", metavar="FILE", help="a claims registry of your own (default: the shipped one)")
     p.add_argument("--dry-run", action="store_true", help="print the runs and the estimate, start nothing")
     p.add_argument("--export", metavar="DIR", help="also copy the report, plots and every run's results.json (no "
-                                                   "checkpoints) to DIR, e.g. docs/reproduce")
+                                                   "checkpoints) to DIR, e.g. studies/reproduce/full")
     p.add_argument("--readme", metavar="FILE", help="also fill FILE's reproduce block with the summary table")
     add_quiet(p)
     p.set_defaults(func=cmd_reproduce)

@@ -1,7 +1,8 @@
 """The elastic-depth study's summary tables (docs/elastic-depth.md) from the compact results that
-`bash scripts/elastic_study.sh collect` copies into docs/elastic/ (and the fixed-r pointer runs of docs/depth/):
+`bash studies/elastic/elastic_study.sh collect` copies into studies/elastic/ (and the fixed-r pointer runs of
+studies/depth/):
 
-    python scripts/elastic_summary.py [FOLDER]     # FOLDER: docs/elastic (default) or the study's sweeps folder
+    python studies/elastic/elastic_summary.py [FOLDER]   # FOLDER: studies/elastic (default) or the sweeps folder
 
 For every family of runs: the accuracy when run with each budget R (median [min–max] over seeds), then the checks
 of an elastic model against models trained at a fixed r — at r (paired by seed with the fixed-r model), at 2r and 4r
@@ -14,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "studies"
 
 
 def runs(folder: Path) -> dict[int, dict]:
@@ -88,7 +89,7 @@ def checks(title: str, elastic: dict[str, dict[int, dict]], fixed_r: dict[int, d
 
 def main() -> None:
     import sys
-    el = Path(sys.argv[1]) if len(sys.argv) > 1 else DOCS / "elastic"   # a study folder of sweeps, or docs/elastic
+    el = Path(sys.argv[1]) if len(sys.argv) > 1 else DOCS / "elastic"   # a study folder of sweeps, or studies/elastic
     r4, r8 = (by_seed(el / "demo-fixed", f"runs/*_loops={r}/results.json") for r in (4, 8))
     demo = {f"elastic, {c}": runs(el / f"demo-{c}") for c in ("none", "index", "normalized")}
     extra = {"elastic, none + consistency": runs(el / "demo-consistency-none"),

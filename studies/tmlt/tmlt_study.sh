@@ -2,33 +2,33 @@
 # The timestep-encoding study (docs/tmlt-study.md): every sweep it reports, in order. Each stage is a
 # `loopformer sweep`, so re-running this script completes an interrupted study (finished runs are skipped,
 # interrupted ones resume). Runs go to $STUDY (default sweeps/tmlt, ignored by git); `collect` copies the compact
-# results (tables, plots, every run's results.json and dynamics records) into docs/tmlt-study/.
+# results (tables, plots, every run's results.json and dynamics records) into studies/tmlt/.
 #
-#   bash scripts/tmlt_study.sh screen      # stage 1: TMLT recipes on ED-6 at r = 16, seed 0 (5 runs)
-#   bash scripts/tmlt_study.sh ed16        # stage 2: looped vs TMLT (default recipe), ED-6, r = 16, seeds 0-2
-#   bash scripts/tmlt_study.sh lcs16       # stage 3: the same on LCS-8
-#   bash scripts/tmlt_study.sh icl         # stage 4: looped vs TMLT on in-context decision trees, r = 4, seeds 0-2
-#   bash scripts/tmlt_study.sh ed32 lcs32  # stage 5: r = 32
-#   bash scripts/tmlt_study.sh last        # stage 6: the loss on the last loop only (the paper's), ED-6, r = 16
-#   bash scripts/tmlt_study.sh last-paper  #          ... TMLT with the paper's parametrisation, seed 0
-#   bash scripts/tmlt_study.sh last-lr1    #          ... TMLT with the timestep parameters at the full lr, seed 0
-#   bash scripts/tmlt_study.sh embed       # stage 7: the loop-index features: learned per loop, or PE(50 t), seed 0
-#   bash scripts/tmlt_study.sh lcs16-last ed32-last lcs32-last  # stage 8: the last-loop loss on LCS-8 and at r = 32
-#   bash scripts/tmlt_study.sh candidates  # stage 9: the remaining recipe candidates under the last-loop loss, seed 0:
+#   bash studies/tmlt/tmlt_study.sh screen      # stage 1: TMLT recipes on ED-6 at r = 16, seed 0 (5 runs)
+#   bash studies/tmlt/tmlt_study.sh ed16        # stage 2: looped vs TMLT (default recipe), ED-6, r = 16, seeds 0-2
+#   bash studies/tmlt/tmlt_study.sh lcs16       # stage 3: the same on LCS-8
+#   bash studies/tmlt/tmlt_study.sh icl         # stage 4: looped vs TMLT on in-context decision trees, r = 4, seeds 0-2
+#   bash studies/tmlt/tmlt_study.sh ed32 lcs32  # stage 5: r = 32
+#   bash studies/tmlt/tmlt_study.sh last        # stage 6: the loss on the last loop only (the paper's), ED-6, r = 16
+#   bash studies/tmlt/tmlt_study.sh last-paper  #          ... TMLT with the paper's parametrisation, seed 0
+#   bash studies/tmlt/tmlt_study.sh last-lr1    #          ... TMLT with the timestep parameters at the full lr, seed 0
+#   bash studies/tmlt/tmlt_study.sh embed       # stage 7: the loop-index features: learned per loop, or PE(50 t), seed 0
+#   bash studies/tmlt/tmlt_study.sh lcs16-last ed32-last lcs32-last  # stage 8: the last-loop loss on LCS-8 and at r = 32
+#   bash studies/tmlt/tmlt_study.sh candidates  # stage 9: the remaining recipe candidates under the last-loop loss, seed 0:
 #                                          #   timestep weight decay, PE(t / r), a loss window, a loop curriculum,
 #                                          #   the paper's schedule (lr 1e-4, linear decay; also alone: paper-schedule)
-#   bash scripts/tmlt_study.sh ed32-grad lcs32-grad  # stage 10: r = 32 with backpropagation through the last 16 loops
-#   bash scripts/tmlt_study.sh window      # stage 11: the loss over the last 4 loops, ED-6, r = 16, seeds 0-2 (seed 0
+#   bash studies/tmlt/tmlt_study.sh ed32-grad lcs32-grad  # stage 10: r = 32 with backpropagation through the last 16 loops
+#   bash studies/tmlt/tmlt_study.sh window      # stage 11: the loss over the last 4 loops, ED-6, r = 16, seeds 0-2 (seed 0
 #                                          #   is also a run of the candidates stage)
-#   bash scripts/tmlt_study.sh lcs16-window  # stage 12: the loss window on LCS-8, r = 16, seeds 0-2
-#   bash scripts/tmlt_study.sh ed32-window lcs32-window  # stage 13: the loss window at r = 32 (all loops in the graph)
-#   bash scripts/tmlt_study.sh curriculum  # stage 14: the loop curriculum over seeds 0-2 (seed 0 is also a candidates run)
+#   bash studies/tmlt/tmlt_study.sh lcs16-window  # stage 12: the loss window on LCS-8, r = 16, seeds 0-2
+#   bash studies/tmlt/tmlt_study.sh ed32-window lcs32-window  # stage 13: the loss window at r = 32 (all loops in the graph)
+#   bash studies/tmlt/tmlt_study.sh curriculum  # stage 14: the loop curriculum over seeds 0-2 (seed 0 is also a candidates run)
 # The last-loop stages cost about half an every-loop stage (8-9 min per r = 16 run on one free core).
-#   bash scripts/tmlt_study.sh ablations   # the TMLTs with the loop index removed / without modulation (docs/tmlt-study.md 8)
-#   bash scripts/tmlt_study.sh collect     # tables and compact results into docs/tmlt-study/
+#   bash studies/tmlt/tmlt_study.sh ablations   # the TMLTs with the loop index removed / without modulation (docs/tmlt-study.md 8)
+#   bash studies/tmlt/tmlt_study.sh collect     # tables and compact results into studies/tmlt/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STUDY=${STUDY:-sweeps/tmlt}
 . scripts/study_lib.sh
 
@@ -115,9 +115,9 @@ stage() {
     lcs32-grad)
       pair lcs 32 lcs32-grad train.loss_loops=last model.grad_loops=16 ;;
     ablations)
-      ablate docs/tmlt-study ed16 ed16-last lcs16-last ed16-window lcs16-window ed32-last ed32-window ed16-curriculum ;;
+      ablate studies/tmlt ed16 ed16-last lcs16-last ed16-window lcs16-window ed32-last ed32-window ed16-curriculum ;;
     collect)
-      collect docs/tmlt-study ;;
+      collect studies/tmlt ;;
     *) echo "unknown stage: $1" >&2; exit 2 ;;
   esac
 }

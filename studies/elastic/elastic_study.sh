@@ -4,22 +4,22 @@
 # time t / R with the step 1 / R (model.timestep_time=normalized) — next to models trained at a fixed r, each run
 # with the budgets of eval.budgets. Each stage is a `loopformer sweep` (re-running completes an interrupted stage);
 # runs go to $STUDY (default sweeps/elastic, ignored by git); `collect` copies the compact results into
-# docs/elastic/.
+# studies/elastic/.
 #
 #   demo-fixed          LCS (the demo's task and recipe): looped r = 4 and 8, seeds 0-2
 #   demo-none | demo-index | demo-normalized
 #                       ... one model per seed (0-2) for budgets drawn uniformly from 2..16 (mean 9 loops), r = 8
 #   demo-consistency    ... with the consistency loss (train.consistency=1), none and normalized, seed 0
 #   demo-fixedpoint     ... with the fixed-point loss (train.fixed_point=0.1, 4 loops past R), none, seeds 0-2
-#   pointer-fixed8      pointer chasing (12 hops): looped r = 8, seeds 1-2 (seed 0: docs/depth/pointer-curve; r = 16
-#                       and 32: docs/depth/pointer)
+#   pointer-fixed8      pointer chasing (12 hops): looped r = 8, seeds 1-2 (seed 0: studies/depth/pointer-curve; r = 16
+#                       and 32: studies/depth/pointer)
 #   pointer-none | pointer-index | pointer-normalized
 #                       ... budgets drawn uniformly from 8..24 (mean 16 loops, the cost of r = 16), seeds 0-2
 #   pointer-fixedpoint  ... with the fixed-point loss (train.fixed_point=0.1, 8 loops past R), none, seed 0
-#   collect             tables and compact results into docs/elastic/ (summary.md: scripts/elastic_summary.py)
+#   collect             tables and compact results into studies/elastic/ (summary.md: studies/elastic/elastic_summary.py)
 # Cost on 2 CPU cores, one thread per run: a demo run 2-4 min, a pointer run about 10 min.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STUDY=${STUDY:-sweeps/elastic}
 . scripts/study_lib.sh
 
@@ -58,16 +58,16 @@ stage() {
     collect)          # each sweep's report (budgets.md / .png) and every run's results.json and dynamics records
       for d in "$STUDY"/*/; do
         name=$(basename "$d")
-        "$LF" report "$d" --out "docs/elastic/$name" >/dev/null
-        rm -f "docs/elastic/$name/loops.png"
+        "$LF" report "$d" --out "studies/elastic/$name" >/dev/null
+        rm -f "studies/elastic/$name/loops.png"
         for run in "$d"/runs/*/; do
           [ -f "$run/results.json" ] || continue
-          dest="docs/elastic/$name/runs/$(basename "$run")"
+          dest="studies/elastic/$name/runs/$(basename "$run")"
           mkdir -p "$dest" && cp "$run/results.json" "$dest/"
           grep '"split": "dynamics"' "$run/metrics.jsonl" > "$dest/dynamics.jsonl" || rm -f "$dest/dynamics.jsonl"
         done
       done
-      python3 scripts/elastic_summary.py > docs/elastic/summary.md ;;
+      python3 studies/elastic/elastic_summary.py > studies/elastic/summary.md ;;
     *) echo "unknown stage $1" >&2; exit 2 ;;
   esac
 }

@@ -3,26 +3,26 @@
 # accuracy against its loop count r, and looped vs timestep-modulated looped models where depth is needed. Each
 # stage is a `loopformer sweep`, so re-running this script completes an interrupted study (finished runs are
 # skipped, interrupted ones resume). Runs go to $STUDY (default sweeps/depth, ignored by git); `collect` copies the
-# compact results (tables, every run's results.json and dynamics records) into docs/depth/.
+# compact results (tables, every run's results.json and dynamics records) into studies/depth/.
 #
-#   bash scripts/depth_study.sh schedule        # the fixed circuit (one layer repeated K = 32 times): looped and
+#   bash studies/depth/depth_study.sh schedule        # the fixed circuit (one layer repeated K = 32 times): looped and
 #                                               #   TMLT at r = 4, 16, 32, seeds 0-2 (18 runs, ~3 min each at r = 32)
-#   bash scripts/depth_study.sh schedule-curve  # ... looped at r = 2 and 8, seed 0 (the rest of the depth curve)
-#   bash scripts/depth_study.sh pointer         # pointer chasing (16 symbols, 12 hops): looped and TMLT at r = 4, 16,
+#   bash studies/depth/depth_study.sh schedule-curve  # ... looped at r = 2 and 8, seed 0 (the rest of the depth curve)
+#   bash studies/depth/depth_study.sh pointer         # pointer chasing (16 symbols, 12 hops): looped and TMLT at r = 4, 16,
 #                                               #   32, seeds 0-2 (18 runs of 4,000 steps, ~15 min each at r = 32)
-#   bash scripts/depth_study.sh pointer-curve   # ... looped at r = 2 and 8, seed 0
-#   bash scripts/depth_study.sh word            # the word problem (S3, 16 elements): looped at r = 4, 16, 32, seed 0
-#   bash scripts/depth_study.sh distinct        # the circuit with 8 distinct layers (a block must act as different
+#   bash studies/depth/depth_study.sh pointer-curve   # ... looped at r = 2 and 8, seed 0
+#   bash studies/depth/depth_study.sh word            # the word problem (S3, 16 elements): looped at r = 4, 16, 32, seed 0
+#   bash studies/depth/depth_study.sh distinct        # the circuit with 8 distinct layers (a block must act as different
 #                                               #   layers at different loops): looped vs TMLT at r = 8 and 16, seeds 0-2
-#   bash scripts/depth_study.sh no-targets      # the answer alone in every loop's loss (no per-loop targets), seed 0
-#   bash scripts/depth_study.sh paper           # the TMLT with the paper's parametrisation (adaLN-Zero gates, one lr)
-#   bash scripts/depth_study.sh standard        # standard transformers with as many layers as the looped r = 4 / 8
-#   bash scripts/depth_study.sh icl             # in-context linear regression: looped vs TMLT, r = 4, seeds 0-2
-#   bash scripts/depth_study.sh ablations       # the TMLTs with the loop index removed / without modulation
-#   bash scripts/depth_study.sh collect         # tables and compact results into docs/depth/
+#   bash studies/depth/depth_study.sh no-targets      # the answer alone in every loop's loss (no per-loop targets), seed 0
+#   bash studies/depth/depth_study.sh paper           # the TMLT with the paper's parametrisation (adaLN-Zero gates, one lr)
+#   bash studies/depth/depth_study.sh standard        # standard transformers with as many layers as the looped r = 4 / 8
+#   bash studies/depth/depth_study.sh icl             # in-context linear regression: looped vs TMLT, r = 4, seeds 0-2
+#   bash studies/depth/depth_study.sh ablations       # the TMLTs with the loop index removed / without modulation
+#   bash studies/depth/depth_study.sh collect         # tables and compact results into studies/depth/
 # Cost on 2 CPU cores (two runs at a time, one thread each): see each stage; the whole study is about 3 hours.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STUDY=${STUDY:-sweeps/depth}
 . scripts/study_lib.sh
 
@@ -66,9 +66,9 @@ stage() {
       "$LF" sweep configs/cpu/icl-linear.yaml --grid seed=0,1,2 model.timestep=false,true \
         --out "$STUDY/icl-linear" "${SW[@]}" ;;
     ablations)
-      ablate docs/depth schedule pointer distinct icl-linear ;;
+      ablate studies/depth schedule pointer distinct icl-linear ;;
     collect)
-      collect docs/depth ;;
+      collect studies/depth ;;
     *) echo "unknown stage: $1" >&2; exit 2 ;;
   esac
 }
