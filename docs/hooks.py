@@ -18,7 +18,7 @@ from mkdocs.structure.files import File
 
 SECTIONS = [("run", "loopformer.train.config", "RunConfig"), ("model", "loopformer.model.config", "ModelConfig"),
             ("task", "loopformer.sources.base", "TaskConfig"), ("train", "loopformer.train.config", "TrainConfig"),
-            ("eval", "loopformer.train.config", "EvalConfig"), ("log", "loopformer.train.config", "LogConfig")]
+            ("eval", "loopformer.eval.config", "EvalConfig"), ("log", "loopformer.train.config", "LogConfig")]
 
 
 def field_comments(cls) -> dict[str, str]:

@@ -16,6 +16,7 @@ from loopformer.analysis import commands as analysis_commands
 from loopformer.data import commands as data_commands
 from loopformer.errors import UserError
 from loopformer.eval import commands as eval_commands
+from loopformer.eval import text_commands as perplexity_commands
 from loopformer.experiments import commands as experiments_commands
 from loopformer.model import commands as model_commands
 from loopformer.text import commands as text_commands
@@ -29,7 +30,8 @@ COMMAND_MODULES = [
     eval_commands,         # eval
     experiments_commands,  # sweep, report, demo
     theory_commands,       # theory verify / rate / modulus
-    text_commands,         # text prepare, perplexity, generate
+    text_commands,         # text prepare, generate
+    perplexity_commands,   # [text] perplexity (through the evaluation)
     analysis_commands,     # analyze continuity / dynamics
 ]
 

@@ -23,10 +23,14 @@ from loopformer.fileio import check_device
 
 
 def add_group(subparsers, name: str, help: str, description: Optional[str] = None, metavar: str = "ACTION"):
-    """A command group's parser; returns its sub-parsers. Without an action the group prints its help, exit 2."""
+    """A command group's parser; returns its sub-parsers (the group's own when another module made it: actions of
+    one group may live in several packages). Without an action the group prints its help, exit 2."""
+    if name in subparsers.choices:
+        return subparsers.choices[name].actions
     group = subparsers.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".")
     group.set_defaults(func=lambda args: (group.print_help(), 2)[1])
-    return group.add_subparsers(dest=f"{name}_command", metavar=metavar)
+    group.actions = group.add_subparsers(dest=f"{name}_command", metavar=metavar)
+    return group.actions
 
 
 def _device(text: str) -> str:

@@ -252,7 +252,11 @@ def test_analyze_dynamics_command(tmp_path, capsys):
     assert ab["metric"] == "accuracy" and ab["as trained"] == pytest.approx(per["accuracy"][2])
     assert all(0 <= ab[k] <= 1 for k in ("averaged over loops", "without modulation"))
     assert "accuracy at r = 3: as trained" in printed
-    for f in ("dynamics.md", "dynamics_loops.png", "dynamics_train.png"):
+    dr = rep["drift"]   # past r: the metric up to 4r (the same scoring as eval's curve), a verdict
+    assert dr["loops"] == 3 and len(dr["metric_per_loop"]) == 12 and len(dr["state_change"]) == 12
+    assert dr["metric_per_loop"][:6] == pytest.approx([c["accuracy"] for c in curve])
+    assert dr["verdict"] in ("settling", "marginal", "drifting") and "Drift past r" in printed
+    for f in ("dynamics.md", "dynamics_loops.png", "dynamics_train.png", "dynamics_drift.png"):
         assert (tmp_path / "d" / f).stat().st_size > 0
     # a checkpoint folder alone: per-loop view only
     assert main(["analyze", "dynamics", str(run / "checkpoint"), "--out", str(tmp_path / "c")]) == 0

@@ -21,7 +21,8 @@ from loopformer.model.convert import to_normalized_time
 from loopformer.sources import TokenData
 from loopformer.tasks import IGNORE
 from loopformer.train.config import load_run_config
-from loopformer.train.optim import consistency_loss, fixed_point_loss, loops_at, sample_loops
+from loopformer.train.losses import consistency_loss, fixed_point_loss
+from loopformer.train.optim import loops_at, sample_loops
 from loopformer.train.run import load_for_resume, read_metrics, read_results
 from loopformer.train.trainer import Trainer, train
 from loopformer.train.distributed import setup, teardown

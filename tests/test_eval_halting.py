@@ -187,3 +187,21 @@ def test_halting_on_text_is_per_token_perplexity(tmp_path, capsys):
     assert never["mean_loops"] == 4 and never["metrics"]["ppl"] == pytest.approx(res["fixed"]["metrics"]["ppl"])
     worse = {**res, "rules": [{**r, "metrics": {"ppl": res["fixed"]["metrics"]["ppl"] + 1}}]}
     assert best_rule(worse, max_loss=0.5) is None                                  # lower is better for perplexity
+
+
+def test_halt_and_halt_sweep_default_to_the_loops_fixed_depth_runs(tmp_path):
+    """One default depth: with supervision steps (N of r loops) `--halt`, `--halt-sweep` and the fixed-depth metrics
+    all run N·r loops unless --loops says otherwise."""
+    from loopformer.train.trainer import train
+    run = tmp_path / "r"
+    train(load_run_config(None, [*TINY, "task.answer_only=true", "model.loops=2", "model.supervision_steps=2",
+                                 "train.steps=2", f"out_dir={run}"]))
+    js = tmp_path / "e.json"
+    assert main(["eval", str(run), "--halt", "kl:0", "--halt-sweep", "argmax", "--no-loopwise", "--quiet",
+                 "--json", str(js)]) == 0
+    res = json.loads(js.read_text())
+    assert res["loops"] == res["trained_loops"] == 4
+    assert res["halting"]["loops"] == res["halting_sweep"]["loops"] == 4
+    assert res["halting"]["rules"][0]["mean_loops"] == 4                              # KL < 0 never holds
+    model, data = _model_and_data("model.supervision_steps=2")
+    assert evaluate_halting(model, data, ["kl:0"], batch_size=64)["loops"] == 8

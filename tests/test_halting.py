@@ -1,5 +1,5 @@
-"""The halting core (loopformer.model.halting): rule parsing, the exit criteria, the exit gate and its losses,
-against values computed by hand."""
+"""The halting core (loopformer.model.halting): rule parsing, the exit criteria, the exit gate, and its losses
+(loopformer.train.losses), against values computed by hand."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
-from loopformer.model.halting import (ExitGate, HaltRule, criterion_holds, entropy, exit_distribution,
-                                      exit_distribution_loss, halting_target_loss, kl_divergence, latent_change,
+from loopformer.model.halting import (ExitGate, HaltRule, criterion_holds, entropy, kl_divergence, latent_change,
                                       row_max, row_mean, stops, update_streak)
 from loopformer.model.looped import LoopedTransformer
+from loopformer.train.losses import exit_distribution, exit_distribution_loss, halting_target_loss
 
 
 # ------------------------------------------------------------------------------------------------- rules
@@ -205,7 +205,7 @@ def test_model_returns_the_gate_logits_of_every_loop():
 # ------------------------------------------------------------------------------------------------- training the gate
 def test_per_loop_losses_and_correct_by_hand():
     from loopformer.tasks import IGNORE
-    from loopformer.train.optim import per_loop_correct, per_loop_losses
+    from loopformer.train.losses import per_loop_correct, per_loop_losses
     logits = torch.tensor([[[[2.0, 0.0], [0.0, 1.0]]], [[[0.0, 2.0], [0.0, 3.0]]]])   # [R=2,B=1,T=2,C=2]
     targets = torch.tensor([[1, IGNORE]])
     assert per_loop_correct(logits, targets).tolist() == [[False], [True]]
@@ -218,7 +218,7 @@ def _copy_task(steps: int, exit_loss: str) -> tuple[list[float], torch.Tensor]:
     """A bidirectional model learns to copy its input (right after one loop) while its gate learns when to stop:
     (gate loss per step, the mean stop probability after each loop on fresh data)."""
     from loopformer.train.config import TrainConfig
-    from loopformer.train.optim import exit_loss as gate_loss
+    from loopformer.train.losses import exit_loss as gate_loss
     torch.manual_seed(0)
     model = LoopedTransformer(ModelConfig(vocab_size=8, max_len=4, d_model=32, n_heads=2, loops=3, causal=False,
                                           exit_gate=True, input_injection=True))

@@ -213,19 +213,21 @@ def test_step_exits_stop_at_the_first_confident_step():
     assert step_exits(logits, threshold=0.9).tolist() == [2, 0, 2]
 
 
-def test_step_halting_threshold_runs_from_one_step_to_all(tmp_path):
+def test_step_halting_threshold_runs_from_one_step_to_all(tmp_path, capsys):
     """The threshold of halting across steps: at 1 no row stops early (the plain N-step metrics), just above 0 every
     row stops after step 1 (the step-1 metrics of the curve); a bad threshold is one line."""
+    from loopformer.cli import main
     from loopformer.eval.commands import evaluate_checkpoint
+    from loopformer.eval.config import EvalConfig
 
     train(load_run_config(None, [*TINY, f"out_dir={tmp_path / 'r'}", "train.steps=2", "eval.votes=0"]))
-    everyone = evaluate_checkpoint(str(tmp_path / "r"), progress=False, step_halt=1.0)
-    at_once = evaluate_checkpoint(str(tmp_path / "r"), progress=False, step_halt=1e-12)
+    everyone = evaluate_checkpoint(str(tmp_path / "r"), EvalConfig(step_halt=1.0), progress=False)
+    at_once = evaluate_checkpoint(str(tmp_path / "r"), EvalConfig(step_halt=1e-12), progress=False)
     m, first = everyone["metrics"], everyone["stepwise"][0]
     assert m["halted_steps"] == 2 and m["halted_cell_accuracy"] == m["cell_accuracy"]
     assert at_once["metrics"]["halted_steps"] == 1
     assert at_once["metrics"]["halted_cell_accuracy"] == pytest.approx(first["cell_accuracy"], abs=1e-12)
-    with pytest.raises(UserError, match="step-halting threshold"):
-        evaluate_checkpoint(str(tmp_path / "r"), progress=False, step_halt=0.0)
+    assert main(["eval", str(tmp_path / "r"), "--step-halt", "0"]) == 2
+    assert "step-halting threshold" in capsys.readouterr().err
     with pytest.raises(UserError, match="step_halt"):
         load_run_config(None, [*TINY, f"out_dir={tmp_path / 's'}", "eval.step_halt=1.5"])

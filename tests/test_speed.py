@@ -17,9 +17,10 @@ from loopformer.tasks import IGNORE
 from loopformer.train import trainer as trainer_mod
 from loopformer.train.config import TrainConfig, load_run_config
 from loopformer.train.distributed import setup
-from loopformer.train.optim import loop_targets, make_optimizer, summed_loss
+from loopformer.train.losses import loop_targets, read_positions, summed_loss
+from loopformer.train.optim import make_optimizer
 from loopformer.train.run import read_metrics
-from loopformer.train.trainer import Trainer, compiles, read_positions, train
+from loopformer.train.trainer import Trainer, compiles, train
 
 BASE = ["task.n_train=128", "task.n_test=32", "model.d_model=16", "model.n_heads=2", "model.loops=3",
         "model.input_injection=true", "train.steps=4", "train.batch_size=16", "train.lr=3e-3", "train.log_every=1",

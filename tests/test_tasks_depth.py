@@ -18,7 +18,7 @@ from loopformer.tasks import IGNORE, get_task
 from loopformer.tasks.common import in_split, loop_steps, row_buckets
 from loopformer.tasks.schedule import draw_circuit
 from loopformer.train.config import load_run_config
-from loopformer.train.optim import loop_targets, summed_loss
+from loopformer.train.losses import loop_targets, summed_loss
 from loopformer.train.trainer import train
 
 

@@ -17,7 +17,8 @@ from loopformer.errors import UserError
 from loopformer.model import LoopedTransformer
 from loopformer.sources import TokenData, stream_indices
 from loopformer.train.config import TrainConfig, load_run_config
-from loopformer.train.optim import loops_at, lr_at, summed_loss
+from loopformer.train.losses import summed_loss
+from loopformer.train.optim import loops_at, lr_at
 from loopformer.train.run import read_metrics, read_results
 from loopformer.train.trainer import train
 
@@ -89,7 +90,7 @@ def test_per_loop_loss_matches_manual(mode, window):
     model = LoopedTransformer(cfg.model)
     data = TokenData(cfg.task)
     b = data.fetch(data.plan(0, 8), 0)
-    from loopformer.train.optim import loss_loops
+    from loopformer.train.losses import loss_loops
 
     n = loss_loops(cfg.train, 3)
     out = model(b["inputs"], return_all=n is not None)

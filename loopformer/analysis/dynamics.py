@@ -13,7 +13,11 @@ Two views of whether the loop is used and whether the timestep modulation is ali
                      average modulation (the loop index removed, the learned scales kept), and without modulation
                      (the plain looped block with the same weights): whether the loop index is used at all
 
-Writes DIR/dynamics.json, dynamics.md, dynamics_loops.png and (for a run folder with records) dynamics_train.png.
+    drift            past r: the metric, state and read-out change up to 4r, the spectral radius of the next
+                     loop's map, a verdict settling / marginal / drifting (`loopformer.eval.drift`)
+
+Writes DIR/dynamics.json, dynamics.md, dynamics_loops.png, dynamics_drift.png and (for a run folder with records)
+dynamics_train.png.
 The measurements themselves are `loopformer.model.diagnostics`.
 """
 
@@ -28,6 +32,7 @@ import torch
 
 from loopformer.configio import from_dict
 from loopformer.errors import UserError
+from loopformer.eval.drift import drift_report, drift_table
 from loopformer.eval.evaluate import evaluate
 from loopformer.fileio import pick_device, write_figure, write_json, write_text
 from loopformer.model.diagnostics import (PARAM_GROUPS, fixed_modulation, loop_dynamics, modulation_ablations,
@@ -159,6 +164,27 @@ def plot_loops(res: dict[str, Any], trained: int, path: str | os.PathLike, title
     plt.close(fig)
 
 
+def plot_drift(rep: dict[str, Any], path: str | os.PathLike, title: str = "") -> None:
+    """The metric and the relative state change after every loop up to 4r, with r, 2r, 4r marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    t = np.arange(1, len(rep["metric_per_loop"]) + 1)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(t, rep["metric_per_loop"])
+    a.set_ylabel(rep["metric"])
+    b.semilogy(t, np.maximum(np.asarray(rep["state_change"]), 1e-12))
+    b.set_ylabel("‖h_t − h_{t−1}‖ / ‖h_{t−1}‖")
+    for ax in (a, b):
+        for k in (1, 2, 4):
+            ax.axvline(k * rep["loops"], color="grey", lw=0.7, ls="--")
+        ax.set_xlabel("loop t")
+    fig.suptitle(f"{title} — {rep['verdict']}")
+    fig.tight_layout()
+    write_figure(fig, path)
+    plt.close(fig)
+
+
 def plot_training(curves: dict[str, list], path: str | os.PathLike, title: str = "") -> None:
     import matplotlib   # heavy: imported only when a plot is drawn
 
@@ -235,16 +261,19 @@ def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 50
                 m = evaluate(model, data, loops=trained, max_loops=trained, loopwise=False, batch_size=batch_size,
                              limit=limit, device=dev)
             report["ablation"][name] = float(m["metrics"][m["metric"]])
+    report["drift"] = drift_report(model, data, loops=trained, batch_size=batch_size, limit=limit, device=dev)
     curves = training_curves(read_metrics(run_dir)) if run_dir is not None else {"step": []}
     if curves["step"]:
         report["training"] = curves
     os.makedirs(out, exist_ok=True)
     name = run_dir.name if run_dir is not None else p.name
-    table = to_markdown(res, trained) + ablation_markdown(report.get("ablation"), trained)
+    table = to_markdown(res, trained) + ablation_markdown(report.get("ablation"), trained) \
+        + "\n\n## Drift past r (up to 4r)\n\n" + drift_table(report["drift"]) + "\n"
     write_text(Path(out) / "dynamics.md", f"# Dynamics of {name} ({model.config.variant}, trained r = {trained})\n\n"
            + table)
     write_json(Path(out) / "dynamics.json", report)
     plot_loops(res, trained, Path(out) / "dynamics_loops.png", title=name)
+    plot_drift(report["drift"], Path(out) / "dynamics_drift.png", title=name)
     if curves["step"]:
         plot_training(curves, Path(out) / "dynamics_train.png", title=name)
     report["table"] = table

@@ -19,7 +19,7 @@ import torch
 
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import check_eval_args, loop_metrics
-from loopformer.eval.halting import evaluate_halting
+from loopformer.eval.halting import parse_rules, rules_side_by_side
 from loopformer.fileio import write_figure
 from loopformer.model.halting import HaltRule
 from loopformer.model.looped import unwrap
@@ -51,10 +51,20 @@ def evaluate_budgets(model: torch.nn.Module, data: DataSource, budgets: Sequence
     Returns {"metric", "higher_is_better", "trained_loops", "budgets": [{"loops": R, "metrics", "wall_s",
     "halting": [{"rule", "metrics", "mean_loops"}] (with `halt` rules, each capped at R loops)}]}."""
     raw = unwrap(model)
-    trained = raw.config.total_loops
+    check_eval_args(None, None, batch_size, limit)
     for b in budgets:
-        check_eval_args(int(b), None, batch_size, limit, trained=trained)
-    rules = [HaltRule.parse(r) if isinstance(r, str) else r for r in halt]
+        check_loops(int(b), raw.config.total_loops, "loops")
+    return budget_runs(raw, data, budgets, batch_size=batch_size, limit=limit, device=device, autocast=autocast,
+                       progress=progress, halt=parse_rules(halt))
+
+
+@torch.no_grad()
+def budget_runs(raw: torch.nn.Module, data: DataSource, budgets: Sequence[int], *, batch_size: int, limit: int,
+                device: Optional[torch.device], autocast: Callable[[], Any], progress: bool,
+                halt: Sequence[HaltRule]) -> dict[str, Any]:
+    """`evaluate_budgets` on arguments already checked (`raw`: the model itself, not a wrapper)."""
+    trained = raw.config.total_loops
+    rules = list(halt)
     device = device or next(raw.parameters()).device
     was_training = raw.training
     raw.eval()
@@ -69,8 +79,8 @@ def evaluate_budgets(model: torch.nn.Module, data: DataSource, budgets: Sequence
                 torch.cuda.synchronize(device)
             row: dict[str, Any] = {"loops": int(R), "metrics": metrics, "wall_s": time.perf_counter() - t0}
             if rules:
-                res = evaluate_halting(raw, data, rules, loops=int(R), batch_size=batch_size, limit=limit,
-                                       device=device, progress=progress)
+                res = rules_side_by_side(raw, data, rules, loops=int(R), batch_size=batch_size, limit=limit,
+                                         device=device, progress=progress)
                 row["halting"] = [{"rule": r["rule"], "metrics": r["metrics"], "mean_loops": r["mean_loops"]}
                                   for r in res["rules"]]
             rows.append(row)
@@ -125,4 +135,4 @@ def budgets_plot(results: dict[str, dict[str, Any]], path: str, title: str = "")
     plt.close(fig)
 
 
-__all__ = ["evaluate_budgets", "parse_budgets", "format_budgets", "budgets_plot"]
+__all__ = ["evaluate_budgets", "budget_runs", "parse_budgets", "format_budgets", "budgets_plot"]

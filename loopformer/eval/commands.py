@@ -14,9 +14,11 @@ from loopformer.commandline import HALT_HELP, add_device, add_quiet, add_rows, p
 from loopformer.configio import from_dict
 from loopformer.errors import UserError
 from loopformer.eval.budgets import budgets_plot, evaluate_budgets, format_budgets, parse_budgets
-from loopformer.eval.evaluate import check_eval_args, evaluate, format_results
-from loopformer.model.memory import loop_cap
-from loopformer.eval.halting import evaluate_halting, format_halting, halting_sweep, sweep_plot
+from loopformer.eval.config import EvalConfig
+from loopformer.eval.evaluate import check_eval_args, format_results
+from loopformer.eval.halting import format_halting, sweep_plot
+from loopformer.eval.run import EXTRAS, check_eval_config, evaluate_all
+from loopformer.model.memory import check_loops
 from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.fileio import pick_device, write_json
 from loopformer.model.io import load, read_config, resolve_checkpoint
@@ -65,30 +67,23 @@ def check_data_fits(data, task_cfg: TaskConfig, model_cfg) -> None:
                         f"{model_cfg.vocab_size}")
 
 
-def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | None = None, device: str = "auto",
-                        limit: int = 0, batch_size: int = 256, loopwise: bool = True, progress: bool = True,
-                        halt: list[str] | None = None, halt_sweep: list[str] | None = None,
-                        timestep_past: str | None = None, ema: bool = False, votes: int = 0,
-                        step_halt: float = 0.5, data_dir: Optional[str] = None,
-                        task_opts: Optional[dict] = None, budgets: Optional[list[int]] = None,
-                        against: Optional[list[str]] = None) -> dict:
-    """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it (loop-wise); with `halt`
-    rules also adaptive depth ("halting"), with `halt_sweep` criteria the sweep ("halting_sweep");
-    `timestep_past` overrides the model's behaviour past its trained loops; `ema`: the averaged weights; `votes`:
-    test-time augmentation with that many copies per test row; `step_halt`: the stop probability at which halting
-    across supervision steps stops a row. `data_dir` / `task_opts`: evaluate on another dataset folder of the task,
-    or on a test split regenerated with other task options (`other_data`); results["data"] names the data.
-    `budgets`: also the metrics when run with each loop budget (with the `halt` rules capped at each), for this
-    checkpoint and each of `against` (checkpoints of the same task, on the same data): results["budgets"]
-    {name: `evaluate_budgets` result}, this checkpoint first."""
-    rules = [HaltRule.parse(h) for h in halt or []]
-    for c in halt_sweep or []:
-        if c not in CRITERIA:
-            raise UserError(f"unknown halting criterion {c!r} (choose from {', '.join(CRITERIA)})")
-    check_eval_args(None, None, batch_size, limit)
+def evaluate_checkpoint(path: str, cfg: Optional[EvalConfig] = None, *, device: str = "auto", ema: bool = False,
+                        timestep_past: Optional[str] = None, data_dir: Optional[str] = None,
+                        task_opts: Optional[dict] = None, against: Optional[list[str]] = None,
+                        progress: bool = True) -> dict:
+    """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it as `cfg` asks
+    (`loopformer.eval.run.evaluate_all`: loop-wise, "halting", "halting_sweep", "budgets"). `timestep_past`
+    overrides the model's behaviour past its trained loops; `ema`: the averaged weights. `data_dir` / `task_opts`:
+    evaluate on another dataset folder of the task, or on a test split regenerated with other task options
+    (`other_data`); results["data"] names the data. With `cfg.budgets`, results["budgets"] is {name:
+    `evaluate_budgets` result}: this checkpoint first, then each of `against` (checkpoints of the same task, on the
+    same data)."""
+    cfg = cfg or EvalConfig()
+    if against and not cfg.budgets:
+        raise UserError("--against compares loop budgets: give --budgets too")
     p = resolve_checkpoint(path)
     model_cfg, extra = read_config(p)
-    check_eval_args(loops, max_loops, batch_size, limit, trained=model_cfg.total_loops)
+    check_eval_config(cfg, model_cfg.total_loops)
     run = extra.get("run") or {}
     if not run.get("task"):
         raise UserError(f"{p} records no task (it was not written by `loopformer train`)")
@@ -101,23 +96,17 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
     data = make_data(task_cfg)
     if elsewhere:
         check_data_fits(data, task_cfg, model.config)
-    r = loops or model.config.total_loops
-    cap = loop_cap(model.config.total_loops)
-    res = evaluate(model, data, loops=r, max_loops=max_loops or (min(2 * r, cap) if loopwise else 0),
-                   batch_size=batch_size, limit=limit, loopwise=loopwise, device=dev, progress=progress, votes=votes,
-                   step_halt=step_halt)
+    found = evaluate_all(model, data, cfg, device=dev, progress=progress)
+    res = {k: v for k, v in found.items() if k not in EXTRAS}
     res["checkpoint"] = str(p)
     res["data"] = data.describe()
     res["weights"] = "ema" if ema else "raw"
     res["trained_loops"] = model.config.total_loops
     res["timestep_past"] = model.config.timestep_past
     res["causal"] = model.config.causal
-    if rules:
-        res["halting"] = evaluate_halting(model, data, rules, loops=loops, batch_size=batch_size, limit=limit,
-                                          device=dev, progress=progress)
-    if budgets:
-        res["budgets"] = {run_name(p): evaluate_budgets(model, data, budgets, batch_size=batch_size, limit=limit,
-                                                        device=dev, progress=progress, halt=rules)}
+    res.update({k: found[k] for k in EXTRAS if k in found})
+    if "budgets" in res:
+        res["budgets"] = {run_name(p): res["budgets"]}
         for other in against or []:
             q = resolve_checkpoint(other)
             other_run = read_config(q)[1].get("run") or {}
@@ -127,14 +116,36 @@ def evaluate_checkpoint(path: str, loops: int | None = None, max_loops: int | No
             name = run_name(q)
             while name in res["budgets"]:
                 name += "'"
-            res["budgets"][name] = evaluate_budgets(load(q, device=dev), data, budgets, batch_size=batch_size,
-                                                    limit=limit, device=dev, progress=progress)
-    elif against:
-        raise UserError("--against compares loop budgets: give --budgets too")
-    if halt_sweep:
-        res["halting_sweep"] = halting_sweep(model, data, halt_sweep, loops=r, batch_size=batch_size, limit=limit,
-                                             device=dev, progress=progress)
+            res["budgets"][name] = evaluate_budgets(load(q, device=dev), data, cfg.budgets, batch_size=cfg.batch_size,
+                                                    limit=cfg.n, device=dev, progress=progress)
     return res
+
+
+def eval_config(args: argparse.Namespace) -> EvalConfig:
+    """The evaluation the `eval` flags ask for — the one place they are read (flags left out: EvalConfig's
+    defaults, the model's loop counts); a flag out of range is one line naming it."""
+    check_eval_args(None, None, args.batch_size, args.n)
+    for name, v in (("loops", args.loops), ("max_loops", args.max_loops)):
+        if v is not None and v < 1:
+            check_loops(v, 0, name)
+    if args.votes < 0:
+        raise UserError(f"votes must be >= 0 (got {args.votes})")
+    if not 0 < args.step_halt <= 1:
+        raise UserError(f"the step-halting threshold must be in (0, 1] (got {args.step_halt})")
+    for h in args.halt or []:
+        HaltRule.parse(h)
+    sweep = [] if args.halt_sweep is None else \
+        (list(CRITERIA) if args.halt_sweep == "all" else [c.strip() for c in args.halt_sweep.split(",")])
+    for c in sweep:
+        if c not in CRITERIA:
+            raise UserError(f"unknown halting criterion {c!r} (choose from {', '.join(CRITERIA)})")
+    try:
+        return EvalConfig(batch_size=args.batch_size, n=args.n, loops=args.loops or 0, max_loops=args.max_loops or 0,
+                          loopwise=not args.no_loopwise, halt=list(args.halt or []), halt_sweep=sweep,
+                          budgets=parse_budgets(args.budgets) if args.budgets is not None else [],
+                          votes=args.votes, step_halt=args.step_halt)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def run_name(checkpoint: Path) -> str:
@@ -143,26 +154,22 @@ def run_name(checkpoint: Path) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    check_eval_args(None, None, args.batch_size, args.n)
+    cfg = eval_config(args)
     if args.json:   # checked before the evaluation runs
         parent = Path(args.json).resolve().parent
         if not parent.is_dir():
             raise UserError(f"--json {args.json}: folder {parent} does not exist")
         if Path(args.json).is_dir():
             raise UserError(f"--json {args.json} is a folder")
-    sweep = None if args.halt_sweep is None else \
-        (list(CRITERIA) if args.halt_sweep == "all" else [c.strip() for c in args.halt_sweep.split(",")])
+    sweep = cfg.halt_sweep
     if args.plot and not sweep and not args.budgets:
         raise UserError("--plot draws the --halt-sweep or the --budgets; give one of them")
     if args.plot and sweep and args.budgets:
         raise UserError("--plot draws one figure: give --halt-sweep or --budgets, not both")
-    budgets = parse_budgets(args.budgets) if args.budgets is not None else None
-    res = evaluate_checkpoint(args.checkpoint, args.loops, args.max_loops, args.device, args.n, args.batch_size,
-                              loopwise=not args.no_loopwise, progress=not args.quiet, halt=args.halt,
-                              halt_sweep=sweep, timestep_past=args.past_r, ema=args.ema, votes=args.votes,
-                              step_halt=args.step_halt, data_dir=args.data,
+    res = evaluate_checkpoint(args.checkpoint, cfg, device=args.device, ema=args.ema, timestep_past=args.past_r,
+                              data_dir=args.data,
                               task_opts=parse_options(args.task_opt, "--task-opt") if args.task_opt else None,
-                              budgets=budgets, against=args.against)
+                              against=args.against, progress=not args.quiet)
     per = res["stepwise"][0]["loop"] if res["stepwise"] else 0
     steps = f"{res['trained_loops'] // per} supervision steps of {per} loops, " if per else ""
     print(f"checkpoint: {res['checkpoint']}{' (averaged weights)' if args.ema else ''} (trained with {steps}r = "
@@ -232,4 +239,4 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_eval)
 
 
-__all__ = ["register", "evaluate_checkpoint"]
+__all__ = ["register", "evaluate_checkpoint", "eval_config"]

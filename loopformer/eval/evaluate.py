@@ -4,9 +4,10 @@ One forward pass with `return_all=True` and R_max loops gives the read-out after
 metric at the trained loop count r and at every other t — also beyond r (extrapolation) — comes from one run.
 Every forward-and-score loop of the library lives in this package: `loop_metrics` here (fixed depth, loop-wise),
 `voted_metrics` (test-time voting) and `step_halted_metrics` (halting across supervision steps) below, adaptive
-depth in `loopformer.eval.halting`. The data source only answers data questions and scores read-outs
-(`DataSource.eval_batches` / `score` / `summarize`: the task's metrics of the argmax for token tasks, loss /
-perplexity / next-token accuracy for text, squared error for in-context learning).
+depth in `loopformer.eval.halting`, all of them run as an `EvalConfig` asks by `loopformer.eval.run.evaluate_all`.
+The data source only answers data questions and scores read-outs (`DataSource.eval_batches` / `score` /
+`summarize`: the task's metrics of the argmax for token tasks, loss / perplexity / next-token accuracy for text,
+squared error for in-context learning; `views` / `unview` for voting, `content` for halting across steps).
 
 Deep supervision (`ModelConfig.supervision_steps` N of r loops each, `loopformer.model.recursion`): at inference
 N steps are N·r loops, so a model trained that way is evaluated at N·r loops and the curve over steps is the
@@ -32,8 +33,6 @@ from loopformer.model.looped import unwrap
 from loopformer.model.memory import MAX_LOOPS, check_loops
 from loopformer.model.recursion import step_exits
 from loopformer.sources import DataSource
-from loopformer.sources.base import eval_rows
-
 
 
 def check_eval_args(loops: Optional[int] = None, max_loops: Optional[int] = None, batch_size: int = 1,
@@ -73,22 +72,17 @@ def loop_metrics(model: torch.nn.Module, data: DataSource, loops: int, all_loops
 def voted_metrics(model: torch.nn.Module, data: DataSource, loops: int, copies: int, batch_size: int, limit: int,
                   device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
     """Test-time augmentation: the metrics after `loops` loops of the per-cell vote over the test rows and `copies`
-    symmetric copies of each (token tasks that define symmetries: `TokenTask.views` / `unview`)."""
-    task = getattr(data, "task", None)
-    if data.kind != "tokens":
-        raise UserError(f"test-time voting needs a token task with symmetries (this is {data.kind} data)")
-    if not task.votes:
-        raise UserError(f"test-time voting: the {task.name} task defines no symmetries")
+    symmetric copies of each (sources whose task defines symmetries: `DataSource.views` / `unview`)."""
     preds: list[np.ndarray] = []
     rows: list[dict[str, np.ndarray]] = []
     for batch in data.test_batches(max(1, batch_size // (1 + copies)), limit):
-        views, sym = task.views(batch["inputs"], copies, seed=len(rows))                   # [1+K,b,T]
+        views, sym = data.views(batch["inputs"], copies, seed=len(rows))                   # [1+K,b,T]
         K1, b, T = views.shape
         x = torch.as_tensor(np.asarray(views.reshape(K1 * b, T), dtype=np.int64), device=device)
         logits = read_outs(model, x, loops, False, autocast)[0].float()                   # [(1+K)·b,T,C]
         prob, arg = logits.softmax(-1).max(-1)
         pred = arg.cpu().numpy().reshape(K1, b, T)
-        preds.append(task.unview(pred, sym, prob.cpu().numpy().reshape(K1, b, T)))
+        preds.append(data.unview(pred, sym, prob.cpu().numpy().reshape(K1, b, T)))
         rows.append(batch)
     full = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
     return data.metrics(np.concatenate(preds), full)
@@ -99,24 +93,20 @@ def step_halted_metrics(model: torch.nn.Module, data: DataSource, loops: int, st
                         ) -> dict[str, float]:
     """Halting across supervision steps: the metrics when every test row stops after the first of `steps` steps of
     `loops` loops whose exit gate says stop (`loopformer.model.recursion.step_exits`), and the mean number of steps
-    run ("steps"). Token tasks."""
-    if data.kind != "tokens":
-        raise UserError(f"halting across supervision steps is measured on token tasks (this is {data.kind} data)")
-    preds: list[np.ndarray] = []
+    run ("steps"). Sources that say which input positions hold content (`DataSource.content`: token tasks)."""
+    parts = []
     ran: list[np.ndarray] = []
-    full = data.test_rows(limit)
-    step = eval_rows(batch_size, loops * steps, full["inputs"].shape[1], model.config.out_dim)
-    for i in range(0, len(full["inputs"]), step):
-        x = torch.as_tensor(np.asarray(full["inputs"][i:i + step], dtype=np.int64), device=device)
+    for batch in data.eval_batches(batch_size, limit, loops * steps, model.config.out_dim):
+        x = data.as_tensors(batch, device)["inputs"]
         with autocast():
             out = model(x, loops=loops * steps, return_all=True)
         at = torch.arange(1, steps + 1, device=device) * loops - 1                        # each step's last loop
-        stop = row_mean(out.all_stop_logits[at], x != data.task.pad_id)                   # [N,b]
+        stop = row_mean(out.all_stop_logits[at], data.content(x))                         # [N,b]
         exit_ = step_exits(stop, threshold)                                                # [b]
         logits = out.all_logits[at][exit_, torch.arange(len(x), device=device)]           # [b,T,C]
-        preds.append(logits.argmax(-1).cpu().numpy())
+        parts.append(data.score(logits[None], batch))
         ran.append(exit_.cpu().numpy() + 1)
-    return {**data.metrics(np.concatenate(preds), full), "steps": float(np.concatenate(ran).mean())}
+    return {**data.summarize(parts, limit, 0)[0], "steps": float(np.concatenate(ran).mean())}
 
 
 @torch.no_grad()
@@ -137,12 +127,22 @@ def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] =
     at the first step whose stop probability reaches `step_halt`.
     """
     raw = unwrap(model)
-    cfg = raw.config
-    check_eval_args(loops or None, max_loops or None, batch_size, limit, trained=cfg.total_loops)
+    check_eval_args(loops or None, max_loops or None, batch_size, limit, trained=raw.config.total_loops)
     if votes < 0:
         raise UserError(f"votes must be >= 0 (got {votes})")
     if not 0 < step_halt <= 1:
         raise UserError(f"the step-halting threshold must be in (0, 1] (got {step_halt})")
+    return fixed_depth(raw, data, loops=loops, max_loops=max_loops, batch_size=batch_size, limit=limit,
+                       loopwise=loopwise, device=device, autocast=autocast, progress=progress, votes=votes,
+                       step_halt=step_halt)
+
+
+@torch.no_grad()
+def fixed_depth(raw: torch.nn.Module, data: DataSource, *, loops: Optional[int], max_loops: Optional[int],
+                batch_size: int, limit: int, loopwise: bool, device: Optional[torch.device],
+                autocast: Callable[[], Any], progress: bool, votes: int, step_halt: float) -> dict[str, Any]:
+    """`evaluate` on arguments already checked (`raw`: the model itself, not a wrapper)."""
+    cfg = raw.config
     r = int(loops or cfg.total_loops)
     R = max(r, int(max_loops or 0)) if loopwise else r
     device = device or next(raw.parameters()).device
@@ -197,5 +197,5 @@ def format_results(metric: str, metrics: dict, loopwise: list[dict], trained: in
     return "\n".join(lines)
 
 
-__all__ = ["evaluate", "loop_metrics", "voted_metrics", "step_halted_metrics", "read_outs", "headline",
+__all__ = ["evaluate", "fixed_depth", "loop_metrics", "voted_metrics", "step_halted_metrics", "read_outs", "headline",
            "format_results", "check_eval_args", "MAX_LOOPS"]

@@ -12,6 +12,7 @@ Shapes: R loops, N counted units (rows or tokens).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Optional, Sequence
 
@@ -20,12 +21,11 @@ import torch
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
-from loopformer.eval.evaluate import check_eval_args, evaluate
+from loopformer.eval.evaluate import check_eval_args, fixed_depth
 from loopformer.fileio import write_figure
 from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.model.looped import unwrap
 from loopformer.sources import DataSource
-from loopformer.tasks import IGNORE
 
 SWEEP_THRESHOLDS: dict[str, tuple[float, ...]] = {   # from stopping early to stopping late
     "latent": (0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002),
@@ -56,42 +56,17 @@ def _timed(fn, clock: dict[str, float], name: str, device: torch.device):
 def side_by_side(forwards: dict[str, Any], data: DataSource, batch_size: int, limit: int, device: torch.device,
                  progress: bool, out_dim: int = 1) -> dict[str, tuple[dict[str, float], Optional[np.ndarray]]]:
     """For each named forward `f(x, positions) -> LoopOutput` (x the inputs of a test batch, positions [b,T] the
-    supervised positions), its metrics on the test split and the exit loop of every counted unit (a row, or a
-    supervised token when `exit_loops` is per token; None without exits). The forwards take turns on every batch,
-    so their wall times (measured by the caller) see the same machine state. Token tasks compare predicted classes
-    (`metrics`); other data (in-context learning: the prediction positions; text: every token) is scored by the
-    source from each forward's logits (`score` / `summarize`, as fixed-depth evaluation does)."""
-    if data.kind != "tokens":
-        return _side_by_side_scored(forwards, data, batch_size, limit, device, progress, out_dim)
-    preds: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
-    exits: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
-    full = data.test_rows(limit)
-    n = len(full["inputs"])
-    for i in tqdm(range(0, n, batch_size), desc="eval", disable=not progress, leave=False):
-        x = torch.as_tensor(np.asarray(full["inputs"][i:i + batch_size], dtype=np.int64), device=device)
-        y = torch.as_tensor(np.asarray(full["targets"][i:i + batch_size], dtype=np.int64), device=device)
-        supervised = y != IGNORE                                                           # [b,T]
-        for name, forward in forwards.items():
-            out = forward(x, supervised)
-            preds[name].append(out.logits.argmax(-1).cpu().numpy())                       # [b,T]
-            if out.exit_loops is not None:
-                e = out.exit_loops if out.exit_loops.dim() == 1 else out.exit_loops[supervised]
-                exits[name].append(e.cpu().numpy())
-    return {k: (data.metrics(np.concatenate(preds[k]), full), np.concatenate(exits[k]) if exits[k] else None)
-            for k in forwards}
-
-
-def _side_by_side_scored(forwards: dict[str, Any], data: DataSource, batch_size: int, limit: int,
-                         device: torch.device, progress: bool, out_dim: int
-                         ) -> dict[str, tuple[dict[str, float], Optional[np.ndarray]]]:
-    """`side_by_side` for sources that score read-outs themselves (the model's `out_dim` outputs per position):
-    the counted positions are those with a weight (regression) or every position (text)."""
+    counted positions: `DataSource.counted`, e.g. a token task's supervised ones), its metrics on the test split
+    and the exit loop of every counted unit (a row, or a counted token when `exit_loops` is per token; None without
+    exits). The forwards take turns on every batch, so their wall times (measured by the caller) see the same
+    machine state. Each forward's read-out (the model's `out_dim` outputs per position) is scored by the source
+    (`score` / `summarize`, as fixed-depth evaluation does)."""
     parts: dict[str, list] = {k: [] for k in forwards}
     exits: dict[str, list[np.ndarray]] = {k: [] for k in forwards}
     for batch in tqdm(list(data.eval_batches(batch_size, limit, 1, out_dim)), desc="eval", disable=not progress,
                       leave=False):
         t = data.as_tensors(batch, device)
-        counted = t["weight"] > 0 if "weight" in t else torch.ones_like(t["targets"], dtype=torch.bool)   # [b,T]
+        counted = data.counted(t)                                                          # [b,T]
         for name, forward in forwards.items():
             out = forward(t["inputs"], counted)
             parts[name].append(data.score(out.logits[None], batch))                        # one read-out each
@@ -106,17 +81,42 @@ def _side_by_side_scored(forwards: dict[str, Any], data: DataSource, batch_size:
 def evaluate_halting(model: torch.nn.Module, data: DataSource, rules: Sequence[HaltRule | str], *,
                      loops: Optional[int] = None, batch_size: int = 256, limit: int = 0,
                      device: Optional[torch.device] = None, progress: bool = False) -> dict[str, Any]:
-    """Fixed depth (R = `loops`, default the model's) and each rule, side by side on `data`'s test split (a rule
-    with its own `max` runs up to it when `loops` is not given).
+    """Fixed depth (R = `loops`, default the depth `evaluate` runs: the trained r times the supervision steps) and
+    each rule, side by side on `data`'s test split (a rule with its own `max` runs up to it when `loops` is not
+    given).
 
     Returns {"loops": R, "metric", "fixed": {"metrics", "wall_s"}, "rules": [{"rule", "metrics", "mean_loops",
     "p90_loops", "loops_saved", "wall_s", "speedup"}]} — loops_saved = 1 − mean_loops / R, speedup = fixed wall
     time / the rule's.
     """
     raw = unwrap(model)
-    R = int(loops or raw.config.loops)
-    check_eval_args(R, None, batch_size, limit, trained=raw.config.loops)
-    parsed = [HaltRule.parse(r) if isinstance(r, str) else r for r in rules]
+    parsed = parse_rules(rules)
+    check_halting_args(raw.config.total_loops, parsed, loops, batch_size, limit)
+    return rules_side_by_side(raw, data, parsed, loops=loops, batch_size=batch_size, limit=limit, device=device,
+                              progress=progress)
+
+
+def parse_rules(rules: Sequence[HaltRule | str]) -> list[HaltRule]:
+    """Halting rules, each a `HaltRule` or its text."""
+    return [HaltRule.parse(r) if isinstance(r, str) else r for r in rules]
+
+
+def check_halting_args(trained: int, rules: Sequence[HaltRule], loops: Optional[int], batch_size: int,
+                       limit: int) -> None:
+    """One-line UserErrors for `evaluate_halting`'s arguments (each rule's own `max` when `loops` is not given),
+    for a model trained with `trained` loops (supervision steps × r)."""
+    check_eval_args(loops or None, None, batch_size, limit, trained=trained)
+    for r in rules:
+        if not loops and r.max_loops is not None:
+            check_eval_args(r.max_loops, None, batch_size, limit, trained=trained)
+
+
+@torch.no_grad()
+def rules_side_by_side(raw: torch.nn.Module, data: DataSource, parsed: Sequence[HaltRule], *,
+                       loops: Optional[int], batch_size: int, limit: int, device: Optional[torch.device],
+                       progress: bool) -> dict[str, Any]:
+    """`evaluate_halting` on arguments already checked (`raw`: the model itself, not a wrapper)."""
+    R = int(loops or raw.config.total_loops)
     if any(r.criterion == "gate" for r in parsed) and raw.exit_gate is None:
         raise UserError("halting criterion 'gate' needs a model with an exit gate (exit_gate=true)")
     device = device or next(raw.parameters()).device
@@ -126,7 +126,6 @@ def evaluate_halting(model: torch.nn.Module, data: DataSource, rules: Sequence[H
     forwards = {"fixed": _timed(lambda x, P: raw(x, loops=R), clock, "fixed", device)}
     for r in parsed:   # a rule's own max bounds it unless `loops` is given
         budget = R if loops or r.max_loops is None else r.max_loops
-        check_eval_args(budget, None, batch_size, limit, trained=raw.config.loops)
         forwards[str(r)] = _timed(lambda x, P, r=r, b=budget: raw(x, loops=b, halt=r, halt_positions=P), clock,
                                   str(r), device)
     try:
@@ -162,16 +161,26 @@ def halting_sweep(model: torch.nn.Module, data: DataSource, criteria: Sequence[s
                   batch_size: int = 256, limit: int = 0, device: Optional[torch.device] = None,
                   progress: bool = False) -> dict[str, Any]:
     """`evaluate_halting` over the sweep's thresholds for each criterion (`criteria`; "gate" only for a model with
-    an exit gate), plus the fixed-depth curve: the metric after every loop t = 1..R ("fixed_curve")."""
+    an exit gate), plus the fixed-depth curve: the metric after every loop t = 1..R ("fixed_curve"; R = `loops`,
+    default the depth `evaluate` runs)."""
     raw = unwrap(model)
-    R = int(loops or raw.config.loops)
+    check_eval_args(loops or None, None, batch_size, limit, trained=raw.config.total_loops)
+    return threshold_sweep(raw, data, criteria, loops=loops, batch_size=batch_size, limit=limit, device=device,
+                           progress=progress)
+
+
+@torch.no_grad()
+def threshold_sweep(raw: torch.nn.Module, data: DataSource, criteria: Sequence[str], *, loops: Optional[int],
+                    batch_size: int, limit: int, device: Optional[torch.device], progress: bool) -> dict[str, Any]:
+    """`halting_sweep` on arguments already checked (`raw`: the model itself, not a wrapper)."""
+    R = int(loops or raw.config.total_loops)
     crits = [c for c in criteria if c != "gate" or raw.exit_gate is not None]
     if not crits:
         raise UserError("no halting criterion to sweep (the gate needs a model with an exit gate)")
-    res = evaluate_halting(model, data, sweep_rules(crits), loops=R, batch_size=batch_size, limit=limit,
-                           device=device, progress=progress)
-    curve = evaluate(model, data, loops=R, max_loops=R, batch_size=batch_size, limit=limit, loopwise=True,
-                     device=device)
+    res = rules_side_by_side(raw, data, sweep_rules(crits), loops=R, batch_size=batch_size, limit=limit,
+                             device=device, progress=progress)
+    curve = fixed_depth(raw, data, loops=R, max_loops=R, batch_size=batch_size, limit=limit, loopwise=True,
+                        device=device, autocast=contextlib.nullcontext, progress=False, votes=0, step_halt=0.5)
     res["fixed_curve"] = curve["loopwise"] or [{"loop": R, **curve["metrics"]}]
     return res
 
@@ -219,5 +228,6 @@ def sweep_plot(res: dict[str, Any], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["evaluate_halting", "side_by_side", "halting_sweep", "sweep_rules", "best_rule", "format_halting",
-           "sweep_plot", "SWEEP_THRESHOLDS"]
+__all__ = ["evaluate_halting", "rules_side_by_side", "check_halting_args", "parse_rules", "side_by_side",
+           "halting_sweep", "threshold_sweep", "sweep_rules", "best_rule", "format_halting", "sweep_plot",
+           "SWEEP_THRESHOLDS"]

@@ -35,6 +35,8 @@ from typing import Any, Optional
 from loopformer.errors import UserError
 from loopformer.eval.budgets import budgets_plot
 from loopformer.eval.commands import evaluate_checkpoint
+from loopformer.eval.config import EvalConfig
+from loopformer.eval.evaluate import check_eval_args
 from loopformer.fileio import write_figure, write_text
 
 VARIANT_TITLES = {"standard": "Standard", "looped": "Looped", "tmlt": "w/ Timestep"}
@@ -387,10 +389,12 @@ def generalisation_table(runs: list[dict], data_dir: Optional[str] = None, task_
     what = f"the dataset folder {data_dir}" if data_dir else \
         "the test split regenerated with " + ", ".join(f"{k}={v}" for k, v in (task_opts or {}).items())
     groups: dict[tuple[str, str], list[tuple[dict, Any]]] = defaultdict(list)
+    check_eval_args(limit=limit)
+    cfg = EvalConfig(n=limit, loopwise=False)
     for r in runs:
         try:
-            other = evaluate_checkpoint(r["_dir"], device=device, limit=limit, loopwise=False, progress=False,
-                                        data_dir=data_dir, task_opts=task_opts)
+            other = evaluate_checkpoint(r["_dir"], cfg, device=device,
+                                        progress=False, data_dir=data_dir, task_opts=task_opts)
         except UserError as exc:
             other = str(exc)
         groups[(task_label(r.get("task", {})), config_key(r["_dir"]))].append((r, other))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from loopformer.errors import UserError
+from loopformer.model.stability import check as check_stabilisers
 
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _HEADS = ("lm", "sequence", "regression")
@@ -69,6 +70,16 @@ class ModelConfig:
                                       # PE(t) | "clamp" to the last trained t = loops - 1 (a learned table always
                                       # clamps). Changes no weights: choose it at load / evaluation time
     input_injection: bool = False     # add the read-in embedding before every loop after the first
+    # stabilisers of deep loops (loopformer.model.stability; docs/stability.md): all off by default
+    start_state: str = "input"        # h_0: "input" (the read-in e) | "zeros" (0, e injected before the first loop
+                                      # too) | "noise" (training: σ·RMS(e)·ε with σ = start_noise; evaluation: 0);
+                                      # zeros / noise need input_injection
+    start_noise: float = 1.0          # σ of the "noise" start, relative to the read-in's RMS
+    state_noise: float = 0.0          # training only: h_t += σ·RMS(h_t)·ε after every loop (0: off)
+    loop_scale: str = "none"          # the residual branches' scale: "none" | "rsqrt" (1/√r) | "inv" (1/r), r = loops |
+                                      # "layerscale" (a learned vector per branch, started at layerscale_init)
+    layerscale_init: float = 0.1
+    sandwich_norm: bool = False       # an RMSNorm on each branch's output too (norms on both sides of the branch)
     # deep supervision (loopformer.model.recursion): `supervision_steps` steps of `loops` loops each, every step
     # starting from the previous one's (detached) hidden state with its own loss; inference runs them as one pass
     # of supervision_steps × loops loops
@@ -117,6 +128,7 @@ class ModelConfig:
             need(len(f) >= self.max_len and min(f) >= 0,
                  f"pos_factors: every factor needs a non-negative index for each of the max_len={self.max_len} "
                  f"positions (got {len(f)} entries)")
+        check_stabilisers(self)
         need(self.activation in _ACTIVATIONS, f"activation must be one of {_ACTIVATIONS} (got {self.activation!r})")
         need(self.norm in ("rms", "none"), f"norm must be 'rms' or 'none' (got {self.norm!r})")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1) (got {self.dropout})")

@@ -18,13 +18,8 @@ A rule is written `CRITERION:THRESHOLD[,patience=K][,max=M][,min=N]`, e.g. `kl:1
 `gate:0.5,max=32` (`HaltRule.parse`). `min` is the earliest loop at which a row may stop.
 
 The exit gate (`ExitGate`) is a linear map of the normalised hidden state to one stop logit per position. Two
-losses train it (`loopformer.train`, `TrainConfig.exit_loss`):
-
-    target        (halting target, as TRM's halting head)  BCE(g_t, c_t), c_t = 1 when the read-out after loop t is
-                  already correct: the gate learns P(correct | h_t), so the threshold θ is a target accuracy
-    distribution  (exit distribution, as Ouro)  λ_t = σ(g_t), p_t = λ_t ∏_{s<t} (1 − λ_s) for t < R and
-                  p_R = ∏_{s<R} (1 − λ_s) (the remainder exits at the last loop); loss = Σ_t p_t L_t − β H(p),
-                  L_t the read-out's loss after loop t and H(p) = −Σ_t p_t log p_t
+losses train it, the halting target (as TRM's halting head) and the exit distribution (as Ouro):
+`loopformer.train.losses`, chosen by `TrainConfig.exit_loss`.
 
 Shapes: R loops, N rows (B batch, or the running rows of it), T length, D width, C classes.
 """
@@ -268,46 +263,5 @@ class ExitGate(nn.Module):
         return self.proj(F.rms_norm(h, (h.shape[-1],), None, self.eps)).squeeze(-1)
 
 
-# ------------------------------------------------------------------------------------------------- the losses
-def _masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Mean of x [R, *] over every element, or over the elements of [*] where `mask` holds (broadcast over R)."""
-    if mask is None:
-        return x.mean()
-    w = mask.to(x.dtype).expand_as(x)
-    return (x * w).sum() / w.sum().clamp(min=1)
-
-
-def halting_target_loss(stop_logits: torch.Tensor, correct: torch.Tensor,
-                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Halting target (TRM's halting head):  mean_t,n BCE(σ(g_t,n), c_t,n),  c = 1 where the read-out after loop t
-    is already correct.  stop_logits [R, *], correct [R, *] bool, mask [*] (which entries count; None: all)."""
-    bce = F.binary_cross_entropy_with_logits(stop_logits.float(), correct.float(), reduction="none")
-    return _masked_mean(bce, mask)
-
-
-def exit_distribution(stop_logits: torch.Tensor) -> torch.Tensor:
-    """p_t = λ_t ∏_{s<t}(1 − λ_s) for t < R, p_R = ∏_{s<R}(1 − λ_s), λ = σ(g): the probability of exiting after
-    loop t, summing to 1 over t.  [R, *] -> [R, *] (computed in log space)."""
-    g = stop_logits.float()
-    log_stop, log_go = F.logsigmoid(g), F.logsigmoid(-g)                       # log λ, log(1 − λ)
-    survive = torch.cumsum(log_go, 0) - log_go                                  # Σ_{s<t} log(1 − λ_s)
-    log_p = survive + log_stop
-    log_p = torch.cat([log_p[:-1], survive[-1:]], 0)                            # the remainder exits at R
-    return log_p.exp()
-
-
-def exit_distribution_loss(per_loop_losses: torch.Tensor, stop_logits: torch.Tensor,
-                           entropy_weight: float = 0.0, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Exit distribution (Ouro):  mean_n [ Σ_t p_t,n L_t,n − β H(p_·,n) ],  H(p) = −Σ_t p_t log p_t.
-
-    per_loop_losses [R, *] (L_t: the read-out's loss after loop t), stop_logits [R, *], β = `entropy_weight`,
-    mask [*] (which entries count; None: all)."""
-    p = exit_distribution(stop_logits)                                          # [R, *]
-    expected = (p * per_loop_losses.float()).sum(0)                             # [*]
-    ent = -(p * torch.log(p.clamp(min=1e-30))).sum(0)
-    return _masked_mean((expected - entropy_weight * ent)[None], mask)
-
-
 __all__ = ["CRITERIA", "HaltRule", "latent_change", "kl_divergence", "entropy", "argmax_changed", "row_max",
-           "row_mean", "as_positions", "criterion_holds", "update_streak", "stops", "ExitGate",
-           "halting_target_loss", "exit_distribution", "exit_distribution_loss"]
+           "row_mean", "as_positions", "criterion_holds", "update_streak", "stops", "ExitGate"]

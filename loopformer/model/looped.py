@@ -6,6 +6,8 @@
     injection     the read-in embedding e is added to the hidden state before every loop after the first
     carried state forward(x, state=h) starts the loops from a given hidden state h (+ e with injection) instead of
                   e: one supervision step of deep supervision (`loopformer.model.recursion`)
+    stabilisers   the start state, state noise in training, the branches' scale, sandwich norms
+                  (`loopformer.model.stability`): off by default
     budgets       timestep_time="normalized": the block reads the time t / R of a run of R loops and its step 1 / R
                   (a budget-aware model); forward(x, row_loops=[B]) runs every row with a loop count of its own
 
@@ -32,6 +34,7 @@ from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, stops,
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import (DepthwiseKV, KVCache, Modulation, RMSNorm, RunningKV, TimestepEmbedder,
                                      make_layer)
+from loopformer.model.stability import perturb, start_state
 
 
 @dataclass
@@ -102,6 +105,9 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             self.timestep.step_mlp[2].weight.zero_()   # MLP_Δ starts at zero: the paper's TE(t) at R = r
         for blk in self.blocks:
             blk.reset_modulation(self.config.timestep_gate_init)
+            for out in (blk.post_attn, blk.post_mlp):
+                if out is not None:
+                    out.reset_parameters()   # LayerScale's small start (the loop above set every vector to 1)
         if self.exit_gate is not None:
             self.exit_gate.reset_parameters()
 
@@ -215,10 +221,11 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         use_ckpt = cfg.checkpoint and grad and cache is None
         sparse = read_only and read_at is not None and cache is None and row_loops is None and cfg.dropout == 0 \
             and (mods is None or mods.dim() == 4)                                      # the last loop at read_at
-        h, states = (e if state is None else state), []
+        h0 = start_state(e, cfg, self.training) if state is None else state          # None: start from e itself
+        h, states = (e if h0 is None else h0), []
         for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
             h_prev = h
-            if (t > 0 or state is not None) and cfg.input_injection:
+            if (t > 0 or h0 is not None) and cfg.input_injection:
                 h = h + e
             mods_t = None if mods is None else mods[t]
             at = read_at if sparse and t == R - 1 else None                            # -> h: [N,D]
@@ -227,6 +234,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                     h = checkpoint(self._block, h, mods_t, mask, None, t, at, use_reentrant=False)
                 else:
                     h = self._block(h, mods_t, mask, cache, t, at)
+            h = perturb(h, cfg, self.training)      # state noise (training only; `loopformer.model.stability`)
             if row_loops is not None:                # rows past their own loop count keep their state
                 h = torch.where((row_loops > t)[:, None, None], h, h_prev)
             if return_all:

@@ -14,6 +14,10 @@ A data source is one kind of task (token task, vector task, text corpus) seen by
     score(outs, batch)  a batch's share of the metrics from the model's read-outs [R,b,T,C] (the scoring hook:
                         `loopformer.eval` runs the model, a source never does)
     summarize(parts)    the metrics after each read-out from the batches' scores
+    counted(batch)      the positions of a batch whose read-outs count (adaptive depth counts their exit loops)
+    content(x)          the input positions that are not padding (halting across supervision steps; token tasks)
+    views / unview      symmetric copies of test rows and their predictions mapped back (voting; token tasks)
+    metrics(pred, b)    the metrics of predicted class ids (sources that classify)
     references()        reference predictors' metrics on the test split (e.g. least squares for regression)
     describe()          what checkpoints and results record under "task"
 
@@ -140,6 +144,29 @@ class DataSource:
     def summarize(self, parts: list, limit: int, trained_loops: int) -> list[dict[str, float]]:
         """The metrics after each read-out, from every batch's `score` (in order)."""
         raise NotImplementedError
+
+    def counted(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The positions [b,T] of a batch (`as_tensors`) whose read-outs the metrics count (default: every one):
+        adaptive depth reports the exit loops there and halts rows by their criterion there."""
+        return torch.ones_like(batch["targets"], dtype=torch.bool)
+
+    def content(self, x: torch.Tensor) -> torch.Tensor:
+        """The input positions [b,T] of x that hold content, not padding: a row's stop probability is their mean
+        (halting across supervision steps). Only sources that pad say so."""
+        raise UserError(f"halting across supervision steps is measured on token tasks (this is {self.kind} data)")
+
+    def views(self, inputs: np.ndarray, copies: int, seed: int) -> tuple[np.ndarray, Any]:
+        """Test-time augmentation: every row of inputs [b,T] and `copies` symmetric copies of it [1+K,b,T], with
+        the symmetries drawn (`unview` maps predictions back). Only tasks with symmetries have them."""
+        raise UserError(f"test-time voting needs a token task with symmetries (this is {self.kind} data)")
+
+    def unview(self, pred: np.ndarray, sym: Any, prob: np.ndarray) -> np.ndarray:
+        """The per-cell vote [b,T] over the predictions on `views` [1+K,b,T] mapped back, weighted by `prob`."""
+        raise UserError(f"test-time voting needs a token task with symmetries (this is {self.kind} data)")
+
+    def metrics(self, pred: np.ndarray, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """The metrics of predicted class ids [N,T] on the test rows `batch` (sources that score predictions)."""
+        raise UserError(f"{self.kind} data is scored from the model's read-outs, not from predicted classes")
 
     def references(self) -> dict[str, dict[str, float]]:
         """Reference predictors scored on the test split like the model ({name: metrics}; none by default):

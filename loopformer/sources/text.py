@@ -3,13 +3,14 @@
 Evaluation: summed next-token cross-entropy per loop → loss (nats/token), ppl = exp(loss), next-token accuracy,
 over the first `task.eval_windows` non-overlapping windows of the validation split: `windows` /
 `windows_in_split`, `tokens` / `tokens_in_split`, `whole_split` and `ppl_over` (a sentence) say which
-(`loopformer perplexity` gives the whole split).
+(`loopformer perplexity` gives the whole split: `SplitWindows`, every target of a split scored once in strided
+windows, `loopformer.text.perplexity`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from loopformer.errors import UserError
 from loopformer.sources.base import DataSource, TaskConfig, check_dir, eval_rows
 from loopformer.text.dataset import RandomWindows, TokenCorpus
+from loopformer.text.perplexity import scored_positions, split_result, window_groups, window_plan
 
 NAME = "text"
 
@@ -129,4 +131,73 @@ class TextData(DataSource):
                 "corpus": {k: self.corpus.manifest.get(k) for k in ("source", "tokenizer", "vocab_size")}}
 
 
-__all__ = ["TextData"]
+class SplitWindows(TextData):
+    """Every token of one split of a prepared corpus, scored once, in windows of `block_size` inputs advancing by
+    `stride` (`loopformer.text.perplexity.window_plan`): the perplexity of the split, evaluated like any source
+    (fixed depth, adaptive depth). The metrics: loss (nats per scored token), ppl, next-token accuracy, tokens and
+    the windows' description (`method`, `windows`, `block_size`, `stride`, `min_context`, `ppl_over`). An
+    evaluation source only: nothing trains on it, and `limit` does not apply (the whole split)."""
+
+    def __init__(self, corpus: TokenCorpus, split: str, block_size: int, stride: Optional[int] = None):
+        self.corpus = corpus
+        self.eval_split = split
+        self.tokens = corpus.tokens(split)
+        self.block = int(block_size)
+        self.stride = stride
+        self.windows = window_plan(len(self.tokens), self.block, stride)                  # [(b, s, t)]
+
+    def plan(self, step: int, batch_size: int) -> np.ndarray:
+        raise UserError("a split's strided windows are for evaluation; train on the corpus (task.name=text)")
+
+    fetch = plan
+
+    def _batch(self, group: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
+        x = np.stack([np.asarray(self.tokens[b:t - 1], dtype=np.int64) for b, _, t in group])        # [b,L]
+        y = np.stack([np.asarray(self.tokens[b + 1:t], dtype=np.int64) for b, _, t in group])        # [b,L]
+        return {"inputs": x, "targets": y, "scored": scored_positions(group)}
+
+    def test_batches(self, batch_size: int, limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        for group in window_groups(self.windows, batch_size):
+            yield self._batch(group)
+
+    def eval_batches(self, batch_size: int, limit: int, read_outs: int, out_dim: int
+                     ) -> Iterator[dict[str, np.ndarray]]:
+        rows = batch_size if read_outs == 1 else eval_rows(batch_size, read_outs, self.block, out_dim)
+        return self.test_batches(rows)
+
+    def as_tensors(self, batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+        return {**super().as_tensors(batch, device), "scored": torch.as_tensor(batch["scored"], device=device)}
+
+    def counted(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["scored"]
+
+    def score(self, read_outs: torch.Tensor, batch: dict[str, np.ndarray]) -> tuple[list, list, int]:
+        logits = read_outs.float()                                                        # [R,b,L,V]
+        y = torch.as_tensor(batch["targets"], device=logits.device)
+        keep = torch.as_tensor(batch["scored"], device=logits.device)
+        nll = [float(F.cross_entropy(logits[t].reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+                     .view(y.shape)[keep].double().sum()) for t in range(logits.shape[0])]
+        correct = [int(((logits[t].argmax(-1) == y) & keep).sum()) for t in range(logits.shape[0])]
+        return nll, correct, int(keep.sum())
+
+    def summarize(self, parts: list, limit: int, trained_loops: int) -> list[dict[str, float]]:
+        count = sum(p[2] for p in parts)
+        out = []
+        for t in range(len(parts[0][0])):
+            total = 0.0
+            for p in parts:
+                total += p[0][t]
+            res = split_result(total, count, self.windows, self.block, self.stride)
+            out.append({"loss": res.nll, "ppl": res.ppl, "accuracy": sum(p[1][t] for p in parts) / count,
+                        "tokens": count, "eval_split": self.eval_split, "whole_split": True, "method": res.method,
+                        "windows": res.windows, "block_size": res.block_size, "stride": res.stride,
+                        "min_context": res.min_context, "ppl_over": res.description})
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": "text", "data_dir": str(self.corpus.folder), "split": self.eval_split,
+                "block_size": self.block, "stride": self.stride, "metric": self.metric,
+                "corpus": {k: self.corpus.manifest.get(k) for k in ("source", "tokenizer", "vocab_size")}}
+
+
+__all__ = ["TextData", "SplitWindows"]

@@ -19,7 +19,7 @@ import torch
 from loopformer.data.dataset import open_dataset, read_manifest
 from loopformer.errors import UserError
 from loopformer.sources.base import DataSource, TaskConfig, check_dir, eval_rows, plain, stream_indices
-from loopformer.tasks import TASKS, TokenTask, get_task
+from loopformer.tasks import IGNORE, TASKS, TokenTask, get_task
 from loopformer.tasks.common import exact_match, loop_steps
 
 
@@ -137,6 +137,20 @@ class TokenData(DataSource):
 
     def metrics(self, pred: np.ndarray, batch: dict[str, np.ndarray]) -> dict[str, float]:
         return {k: float(v) for k, v in self.task.metrics(pred, batch).items()}
+
+    def counted(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["targets"] != IGNORE                                                  # the supervised positions
+
+    def content(self, x: torch.Tensor) -> torch.Tensor:
+        return x != self.task.pad_id
+
+    def views(self, inputs: np.ndarray, copies: int, seed: int) -> tuple[np.ndarray, Any]:
+        if not self.task.votes:
+            raise UserError(f"test-time voting: the {self.task.name} task defines no symmetries")
+        return self.task.views(inputs, copies, seed=seed)
+
+    def unview(self, pred: np.ndarray, sym: Any, prob: np.ndarray) -> np.ndarray:
+        return self.task.unview(pred, sym, prob)
 
     def eval_batches(self, batch_size: int, limit: int, read_outs: int, out_dim: int
                      ) -> Iterator[dict[str, np.ndarray]]:

@@ -103,6 +103,9 @@ class VectorData(DataSource):
         return {k: torch.as_tensor(np.asarray(batch[k], dtype=np.float32), device=device)
                 for k in ("inputs", "targets", "weight")}
 
+    def counted(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["weight"] > 0                                                         # the prediction positions
+
     def score(self, read_outs: torch.Tensor, batch: dict[str, np.ndarray]) -> tuple:
         b = self.as_tensors(batch, read_outs.device)
         y, w = b["targets"], b["weight"]                                                  # [b,T], [b,T]

@@ -2,7 +2,8 @@
 
     loopformer text prepare {wikitext103,plays,plays:NAME,...,FILE_OR_DIR} --out DIR [--tokenizer gpt2|bpe]
                             [--vocab-size N] [--perturb 0.1] [--seed S] [--force]
-    loopformer [text] perplexity CKPT --data DIR [--split val] [--stride S] [--estimate]
+    loopformer [text] perplexity CKPT --data DIR [--split val] [--stride S] [--halt RULE] [--estimate]
+                                 (`loopformer.eval.text_commands`: through the evaluation)
     loopformer [text] generate CKPT --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N] [--temperature T]
                                [--top-k K] [--top-p P] [--seed S]
 """
@@ -15,12 +16,11 @@ from typing import Optional
 
 from loopformer.commandline import add_device, add_group, add_halt, add_quiet
 from loopformer.errors import UserError
-from loopformer.fileio import pick_device, write_json
+from loopformer.fileio import pick_device
 from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.text.corpus import PrepareOptions, prepare_corpus
 from loopformer.text.dataset import TokenCorpus
 from loopformer.text.generate import SamplingConfig, generate_text
-from loopformer.text.perplexity import estimate_perplexity, perplexity
 
 
 def register(subparsers) -> None:
@@ -45,32 +45,10 @@ def register(subparsers) -> None:
     p.add_argument("--force", action="store_true", help="rebuild even if DIR holds a different corpus")
     add_quiet(p)
     p.set_defaults(func=_prepare)
-    # `perplexity` and `generate` are text actions, also reachable without `text` (the spelling scripts use)
-    for parent, help_suffix in ((sub, ""), (subparsers, " (also `text perplexity`)")):
-        _perplexity_parser(parent, help_suffix)
+    # `generate` is a text action, also reachable without `text` (the spelling scripts use); so is `perplexity`,
+    # which runs through the evaluation (`loopformer.eval.text_commands`)
     for parent, help_suffix in ((sub, ""), (subparsers, " (also `text generate`)")):
         _generate_parser(parent, help_suffix)
-
-
-def _perplexity_parser(parent, help_suffix: str) -> None:
-    p = parent.add_parser(
-        "perplexity", help="perplexity of a checkpoint over a whole split" + help_suffix,
-        description="Perplexity over every token of a split, in non-overlapping windows (default) or strided "
-                    "sliding windows (--stride); --estimate adds the authors' random-batch estimate, labelled.")
-    p.add_argument("checkpoint", metavar="CKPT")
-    p.add_argument("--data", required=True, metavar="DIR", help="a corpus made by `loopformer text prepare`")
-    p.add_argument("--split", default="val")
-    p.add_argument("--stride", type=int, default=None, help="window advance (default: the block size)")
-    p.add_argument("--block-size", type=int, default=None, help="window length (default: the model's max_len)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--loops", type=int, default=None, help="loops at inference (default: the model's)")
-    p.add_argument("--estimate", action="store_true", help="also the authors' estimate (random batches)")
-    p.add_argument("--estimate-iters", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0, help="seed of the estimate's batches")
-    add_device(p)
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    add_quiet(p)
-    p.set_defaults(func=_perplexity)
 
 
 def _generate_parser(parent, help_suffix: str) -> None:
@@ -114,35 +92,6 @@ def checkpoint_data_dir(path: str) -> Optional[str]:
     task = extra.get("task") or {}
     d = task.get("data_dir") if isinstance(task, dict) else None
     return d if d and os.path.isfile(os.path.join(d, "manifest.json")) else None
-
-
-def _check_vocab(model, corpus) -> None:
-    if model.config.vocab_size < corpus.vocab_size:
-        raise UserError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the corpus's "
-                        f"({corpus.vocab_size}); was it trained on this corpus?")
-
-
-def _perplexity(args) -> int:
-    device = pick_device(args.device)
-    corpus = TokenCorpus(args.data)
-    tokens = corpus.tokens(args.split)
-    model = load(args.checkpoint, device=device)
-    _check_vocab(model, corpus)
-    T = args.block_size or model.config.max_len
-    if T > model.config.max_len and model.config.pos == "learned":
-        raise UserError(f"--block-size {T} exceeds the model's max_len {model.config.max_len}")
-    res = perplexity(model, tokens, T, args.stride, args.batch_size, loops=args.loops, progress=not args.quiet,
-                     desc=f"perplexity ({args.split})")
-    results = {"split": args.split, "data": args.data, "checkpoint": args.checkpoint, "perplexity": res.to_dict()}
-    print(f"{args.split} perplexity {res.ppl:.3f}  (nll {res.nll:.4f} nats/token; {res.description})")
-    if args.estimate:
-        est = estimate_perplexity(model, tokens, T, args.batch_size, args.estimate_iters, args.seed,
-                                  loops=args.loops, progress=not args.quiet)
-        results["estimate"] = est.to_dict()
-        print(f"{args.split} estimate   {est.ppl:.3f}  (nll {est.nll:.4f}; {est.description})")
-    if args.json:
-        write_json(args.json, results)
-    return 0
 
 
 def _generate(args) -> int:

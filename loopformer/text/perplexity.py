@@ -16,6 +16,8 @@ over a split x_0 … x_{N-1}, every target x_j scored exactly once. Windows of T
 so with S = T the windows do not overlap (fast; a window's first target sees one token), and with S < T every target
 after the first window is predicted from at least T - S + 1 tokens (`min_context`), at T/S times the cost.
 The model is any callable `model(idx[B,T]) -> out` with `out.logits` [B,T,V] (or the logits tensor itself).
+`loopformer perplexity` measures the same windows through the library's evaluation
+(`loopformer.sources.text.SplitWindows`, which adaptive depth runs on too).
 Shapes: B batch, T window length, V vocabulary, N split length.
 """
 
@@ -113,27 +115,33 @@ def perplexity(model, tokens: np.ndarray | torch.Tensor, block_size: Optional[in
         raise UserError("give block_size (the model does not say its context length)")
     toks = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
     plan = window_plan(len(toks), T, stride)
-    S = T if stride is None else int(stride)
     device = _model_device(model)
     kwargs = {} if loops is None else {"loops": loops}
     total = 0.0
     count = 0
     with _EvalMode(model), tqdm(total=len(toks) - 1, desc=desc, unit="tok", disable=not progress) as bar:
-        for group in _batches(plan, batch_size):
+        for group in window_groups(plan, batch_size):
             L = group[0][2] - 1 - group[0][0]                                    # inputs per window
             x = torch.stack([toks[b:t - 1] for b, _, t in group]).to(device)    # [B,L]
             y = torch.stack([toks[b + 1:t] for b, _, t in group]).to(device)    # [B,L]
             logits = _logits(model, x, kwargs)                                  # [B,L,V]
             nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                   reduction="none").view(len(group), L)         # [B,L]
-            keep = torch.zeros(len(group), L, dtype=torch.bool, device=device)
-            for i, (b, s, t) in enumerate(group):
-                keep[i, s - 1 - b:] = True
+            keep = torch.as_tensor(scored_positions(group), device=device)      # [B,L]
             total += float(nll[keep].double().sum())
             n = int(keep.sum())
             count += n
             bar.update(n)
     assert count == len(toks) - 1, (count, len(toks))
+    return split_result(total, count, plan, T, stride)
+
+
+def split_result(total: float, count: int, plan: list[tuple[int, int, int]], block_size: int,
+                 stride: Optional[int]) -> PerplexityResult:
+    """The perplexity of a split from the summed negative log-likelihood `total` of its `count` targets, scored in
+    the windows `plan` (`window_plan(…, block_size, stride)`)."""
+    T = int(block_size)
+    S = T if stride is None else int(stride)
     mean = total / count
     overlapping = S < T and len(plan) > 1
     method = "sliding" if overlapping else "non-overlapping"
@@ -144,7 +152,16 @@ def perplexity(model, tokens: np.ndarray | torch.Tensor, block_size: Optional[in
                             description=desc_text)
 
 
-def _batches(plan: list[tuple[int, int, int]], batch_size: int) -> Iterator[list[tuple[int, int, int]]]:
+def scored_positions(group: list[tuple[int, int, int]]) -> np.ndarray:
+    """Which inputs of a group of equal-length windows (b, s, t) predict a scored target [B,L] bool: x[s : t]."""
+    L = group[0][2] - 1 - group[0][0]
+    keep = np.zeros((len(group), L), dtype=bool)
+    for i, (b, s, t) in enumerate(group):
+        keep[i, s - 1 - b:] = True
+    return keep
+
+
+def window_groups(plan: list[tuple[int, int, int]], batch_size: int) -> Iterator[list[tuple[int, int, int]]]:
     """Group consecutive windows of equal input length (all but possibly a lone short first window)."""
     group: list[tuple[int, int, int]] = []
     for w in plan:

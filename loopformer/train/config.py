@@ -20,8 +20,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from loopformer.configio import one_line, load_config, user_layers
 from loopformer.errors import UserError
+from loopformer.eval.config import EvalConfig
 from loopformer.model.config import ModelConfig
-from loopformer.model.halting import HaltRule
+from loopformer.model.memory import loop_cap
 from loopformer.sources import TaskConfig, model_fields
 
 LOSS_LOOPS = ("last", "all", "window")
@@ -75,6 +76,8 @@ class TrainConfig:
     fixed_point: float = 0.0          # weight of the fixed-point loss: fixed_point_loops more loops past R should not
                                       # move the state, ||h(R+m) − sg h(R)||² / ||sg h(R)||² per position; 0: off
     fixed_point_loops: int = 1
+    loss: str = "cross_entropy"       # the classification loss: "cross_entropy" | "stablemax" (a softmax whose
+                                      # exponential grows linearly: no softmax collapse; loopformer.train.losses)
     eval_every: int = 0               # steps between evaluations (and checkpoints); 0: only at the end
     log_every: int = 10
     precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 (slower on CPUs) | fp16
@@ -89,7 +92,7 @@ class TrainConfig:
     exit_loss: str = "target"         # how a model's exit gate (model.exit_gate) learns: "target" (BCE on "the
                                       # read-out after loop t is already correct", as TRM) | "distribution" (the
                                       # per-loop losses weighted by the exit distribution, as Ouro); see
-                                      # loopformer.model.halting
+                                      # loopformer.train.losses
     exit_loss_weight: float = 1.0     # weight of the exit loss next to the task loss
     exit_entropy_weight: float = 0.01 # "distribution": β, the weight of the exit distribution's entropy bonus
     ema_decay: float = 0.0            # > 0: keep an exponential moving average of the weights with this decay
@@ -129,38 +132,16 @@ class TrainConfig:
         _need(self.consistency_budget in ("double", "max"),
               f"train.consistency_budget must be 'double' or 'max' (got {self.consistency_budget!r})")
         _need(self.fixed_point_loops >= 1, f"train.fixed_point_loops must be >= 1 (got {self.fixed_point_loops})")
+        _need(self.loss in ("cross_entropy", "stablemax"),
+              f"train.loss must be 'cross_entropy' or 'stablemax' (got {self.loss!r})")
         _need(0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1) (got {self.ema_decay})")
         _need(self.exit_loss_weight >= 0 and self.exit_entropy_weight >= 0,
               "train.exit_loss_weight and train.exit_entropy_weight must be >= 0")
 
-
-@dataclass
-class EvalConfig:
-    batch_size: int = 256
-    n: int = 0                        # evaluate on the first n test samples (0: all)
-    max_loops: int = 0                # loop-wise evaluation up to this many loops (0: 2 × the trained loops)
-    loopwise: bool = True             # record the metric after every loop t = 1..max_loops
-    halt: list[str] = field(default_factory=list)   # halting rules (e.g. [kl:1e-3, entropy:0.2]) evaluated at the
-                                      # end next to fixed depth: results.json "halting"
-    budgets: list[int] = field(default_factory=list)   # loop budgets the final model is also run with (e.g.
-                                      # [1, 2, 4, 8, 16, 32]): results.json "budgets" (loopformer.eval.budgets)
-    votes: int = 0                    # test-time augmentation for tasks that define it (Sudoku): predict this many
-                                      # augmented copies besides the puzzle, map them back and vote per cell;
-                                      # reported next to the plain metrics as voted_* (0: off)
-    step_halt: float = 0.5            # halting across supervision steps (exit gate, supervision_steps > 1): a row
-                                      # stops at the first step whose stop probability reaches this (halted_*)
-
-    def __post_init__(self) -> None:
-        _need(self.batch_size >= 1 and self.n >= 0 and 0 <= self.max_loops <= 1024,
-              "eval: need batch_size >= 1, n >= 0 and 0 <= max_loops <= 1024")
-        for rule in self.halt:
-            try:
-                HaltRule.parse(rule)
-            except UserError as exc:
-                raise ValueError(f"eval.halt: {exc}") from None
-        _need(all(1 <= b <= 1024 for b in self.budgets), f"eval.budgets must lie in 1..1024 (got {self.budgets})")
-        _need(0 <= self.votes <= 1000, f"eval.votes must be in 0..1000 (got {self.votes})")
-        _need(0 < self.step_halt <= 1, f"eval.step_halt must be in (0, 1] (got {self.step_halt})")
+    @property
+    def samples_budgets(self) -> bool:
+        """Whether a step's loop count is drawn from a budget range (`loops_sample` other than "fixed")."""
+        return self.loops_sample != "fixed"
 
 
 @dataclass
@@ -196,6 +177,10 @@ class RunConfig:
         _need(self.log.dynamics_every >= 0, f"log.dynamics_every must be >= 0 (got {self.log.dynamics_every})")
         _need(bool(self.out_dir), "out_dir must be set")
         tr, m = self.train, self.model
+        cap, ev = loop_cap(m.total_loops), self.eval     # the most loops the model may be evaluated with
+        _need(ev.loops <= cap and ev.max_loops <= cap, f"eval: need loops and max_loops <= {cap} (got "
+                                                       f"{ev.loops}, {ev.max_loops})")
+        _need(all(b <= cap for b in ev.budgets), f"eval.budgets must lie in 1..{cap} (got {ev.budgets})")
         if m.supervision_steps > 1 and m.exit_gate and tr.exit_loss_weight > 0:
             _need(tr.exit_loss == "target", "with model.supervision_steps > 1 the exit gate learns across steps: "
                                             "train.exit_loss must be 'target'")
@@ -203,7 +188,7 @@ class RunConfig:
             _need(tr.loss_loops != "last", "task.loop_targets supervises every loop in the loss: set "
                                            "train.loss_loops to all or window")
             _need(m.supervision_steps == 1, "task.loop_targets needs model.supervision_steps = 1")
-        if tr.loops_sample != "fixed":
+        if tr.samples_budgets:
             hi = tr.loops_max or m.loops
             _need(tr.loops_min <= hi, f"train.loops_min={tr.loops_min} exceeds the largest budget {hi} "
                                       f"(train.loops_max, else model.loops)")

@@ -36,23 +36,22 @@ from tqdm.auto import tqdm
 from loopformer import configio
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
-from loopformer.eval.budgets import evaluate_budgets
-from loopformer.eval.evaluate import evaluate
-from loopformer.eval.halting import evaluate_halting
+from loopformer.eval.run import evaluate_all
 from loopformer.fileio import can_compile
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
 from loopformer.model.memory import check_fits, estimate
-from loopformer.model.recursion import step_offset
+from loopformer.model.recursion import supervision_steps
 from loopformer.sources import DataSource, make_data
 from loopformer.tasks import IGNORE
 from loopformer.train import run
 from loopformer.train.config import RunConfig
 from loopformer.train.ema import EMA
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
-from loopformer.train.optim import (budget_range, consistency_loss, exit_loss, fixed_point_loss, loop_targets,
-                                   loss_loops, loss_sum, lr_at, make_optimizer, sample_loops, steps_for)
+from loopformer.train.losses import (at_read, elastic_losses, exit_loss, loop_targets, loss_loops, loss_sum,
+                                    read_positions, supervised, supervised_count)
+from loopformer.train.optim import budget_range, lr_at, make_optimizer, sample_loops, steps_for
 from loopformer.train.run import MetricsLog
 
 
@@ -109,35 +108,11 @@ def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
     if mode != "auto":
         return mode == "true"
     tc, R = cfg.train, cfg.model.loops
-    if tc.loops_sample != "fixed":           # drawn loop counts: few steps at any one of them
+    if tc.samples_budgets:                   # drawn loop counts: few steps at any one of them
         return False
     # the first step of the loop curriculum (`loops_at`) at R loops: after ceil((R − start) / increment) rises
     first = 0 if tc.loops_start <= 0 else -(-max(0, R - tc.loops_start) // tc.loops_increment) * tc.loops_every
     return total - first >= COMPILE_MIN_STEPS and can_compile(device)
-
-
-def read_positions(batch: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
-    """[n] int64: the flattened B·T positions a batch's loss looks at — a target (or, with per-loop targets, any
-    loop's target), or a weight above 0 for regression — or None when that is every position."""
-    t = batch["targets"]
-    if t.dtype.is_floating_point:
-        seen = batch["weight"] > 0 if "weight" in batch else torch.ones_like(t, dtype=torch.bool)
-    else:
-        seen = t != IGNORE
-        if "step_targets" in batch:
-            seen = seen | (batch["step_targets"] != IGNORE).any(1)                      # [B,K,T] -> [B,T]
-    return None if bool(seen.all()) else seen.flatten().nonzero().squeeze(1)
-
-
-def at_read(at: Optional[torch.Tensor], logits: torch.Tensor, targets: torch.Tensor,
-            weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Read-outs taken at the positions `at` ([..., n, C], `read_positions`) with targets [..., B,T] (and weight
-    [B,T]) as one row of n positions: ([..., 1, n, C], [..., 1, n], [1, n]), the layout `summed_loss` reads.
-    Unchanged when `at` is None."""
-    if at is None:
-        return logits, targets, weight
-    pick = (lambda z: z.flatten(-2).index_select(-1, at).unsqueeze(-2))                 # [..., B,T] -> [..., 1,n]
-    return logits.unsqueeze(-3), pick(targets), None if weight is None else pick(weight)
 
 
 def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loops: int, step: int,
@@ -236,7 +211,7 @@ class Trainer:
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
             half = self.autocast is not contextlib.nullcontext
-            hi = max(cfg.model.loops, budget_range(tc, cfg.model.loops)[1] if tc.loops_sample != "fixed" else 0)
+            hi = max(cfg.model.loops, budget_range(tc, cfg.model.loops)[1] if tc.samples_budgets else 0)
             check_fits(estimate(cfg.model.replace(loops=hi), batch=self.B // (d.world * tc.grad_accum), training=True,
                                 read_outs=loss_loops(tc, hi) or 1, ema=tc.ema_decay > 0,
                                 act_bytes=2 if half else 4), d.device,
@@ -249,7 +224,32 @@ class Trainer:
         self.trunk_params = [p for n, p in named if not n.startswith("exit_gate.")]
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
-        self.start, self.state, self.finished = 0, None, False
+        self.trains_gate = cfg.model.exit_gate and tc.exit_loss_weight > 0   # the exit loss enters the step
+        self.start, self.state, self.finished = 0, None, False   # the first step, the checkpoint's training state
+        # the module the steps run (`wrap`: inside DDP, the step compiled)
+        self.net: torch.nn.Module = self.model
+        self.compiled: Optional[Callable[..., tuple[torch.Tensor, LoopOutput]]] = None   # compiled _forward_loss
+        self.compile_s = 0.0                     # seconds of the first compiled step (compilation included)
+        # the run's outputs (`open_log`): metrics log, progress bar, training time (restored on resume)
+        self.log: Optional[MetricsLog] = None
+        self.bar: Optional[tqdm] = None
+        self.train_time = 0.0
+        # the log window: loss and accuracy sums stay on the device between log steps (no host synchronisation
+        # in the step); counts of supervised positions and tokens on the host; its start time
+        self.acc_dtype = torch.float32 if d.device.type == "mps" else torch.float64
+        self.acc_loss = torch.zeros((), dtype=self.acc_dtype, device=d.device)
+        self.acc_correct = torch.zeros((), dtype=self.acc_dtype, device=d.device)
+        self.acc_count = self.acc_tokens = 0.0
+        self.window_t0 = 0.0
+        self.last_eval: Optional[dict] = None    # the latest periodic evaluation (shown on the bar)
+        self.dyn_every = (cfg.log.dynamics_every or tc.log_every) if cfg.log.dynamics else 0   # 0: no dynamics
+        self.dyn_grads: dict[str, float] = {}    # per-group gradient norms of the latest dynamics step
+        # the latest step (`step`): its lr, loop count (per-row budgets: the largest), last micro-batch, and the
+        # trunk's gradient norm before clipping (None: no clipping)
+        self.lr = 0.0
+        self.loops = cfg.model.loops
+        self.last_micro: dict[str, torch.Tensor] = {}
+        self.gnorm: Optional[torch.Tensor] = None
         if resume:
             self._restore()
 
@@ -278,7 +278,7 @@ class Trainer:
     def wrap(self) -> None:
         """The module the steps run: the model, inside DDP when several processes train, compiled when asked
         (`self.net`; checkpoints always save the raw `self.model`)."""
-        self.net: torch.nn.Module = self.model
+        self.net = self.model
         if self.d.active:
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.d.device] if self.d.device.type == "cuda" else None)
@@ -287,7 +287,7 @@ class Trainer:
         if self.compiled is not None and self.cfg.threads:
             import torch._inductor.config as inductor   # heavy: only when compiling
             inductor.compile_threads = self.cfg.threads  # the compiler's worker pool keeps to the thread budget
-        self.compile_s = 0.0                     # seconds of the first compiled step (compilation included)
+        self.compile_s = 0.0
 
     def forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
                      targets: torch.Tensor, weight: Optional[torch.Tensor], R: int, return_all: bool,
@@ -327,38 +327,7 @@ class Trainer:
         logits = out.logits if n_read is None else out.all_logits[-n_read:]
         if out.all_logits is not None:   # a copy, not a view of all_logits: compiled graphs whose outputs alias
             out.logits = out.logits.clone()   # each other fail when replayed from torch's compilation cache
-        return loss_sum(*at_read(at, logits, targets, weight)), out
-
-    def elastic_losses(self, mb: dict[str, torch.Tensor], out: LoopOutput, R: int,
-                       scale: float) -> torch.Tensor | float:
-        """The consistency and fixed-point losses of one micro-batch (`train.consistency`, `train.fixed_point`;
-        0 when both are off): the final read-out at R against a stop-gradient read-out at budget min(2R, loops_max)
-        or loops_max (`consistency_budget`; a budget per row: each row's own), scaled like the task loss (`scale`:
-        processes / supervised positions); the state after fixed_point_loops more loops against the state at R, a
-        mean over positions. Extra forwards run on the raw model (DDP reduces their gradients with the main
-        forward's)."""
-        tc, total = self.cfg.train, 0.0
-        x, at, rows = mb["inputs"], mb.get("read_at"), mb.get("row_loops")
-        if tc.consistency > 0:
-            hi = budget_range(tc, self.cfg.model.loops)[1] if tc.loops_sample != "fixed" else 2 * R
-            double = tc.consistency_budget == "double"
-            R2 = (min(2 * R, hi) if double else hi) if rows is None else \
-                int(torch.clamp(2 * rows, max=hi).max()) if double else hi
-            if R2 > R or rows is not None:
-                t_rows = None if rows is None else (torch.clamp(2 * rows, max=hi) if double
-                                                    else torch.full_like(rows, hi))
-                with torch.no_grad():
-                    teacher = self.model(x, loops=R2, read_at=at, row_loops=t_rows).logits
-                t = mb["targets"]
-                keep = (t != IGNORE) if not t.dtype.is_floating_point else \
-                    (mb["weight"] > 0 if "weight" in mb else torch.ones_like(t, dtype=torch.bool))
-                keep = keep.flatten().index_select(0, at) if at is not None else keep
-                total = total + tc.consistency * scale * consistency_loss(out.logits, teacher, keep)
-        if tc.fixed_point > 0:
-            nxt = self.model(x, loops=tc.fixed_point_loops, state=out.hidden, loop_offset=R, budget=R).hidden
-            n_pos = out.hidden.shape[0] * out.hidden.shape[1] * tc.grad_accum
-            total = total + tc.fixed_point * fixed_point_loss(nxt, out.hidden) / n_pos
-        return total
+        return loss_sum(*at_read(at, logits, targets, weight), kind=self.cfg.train.loss), out
 
     def open_log(self, progress: Optional[bool]) -> None:
         """Write config.yaml and run.json, open the metrics log, start the bar and the log window (restored from
@@ -375,11 +344,6 @@ class Trainer:
         show = d.main and (cfg.log.progress if progress is None else progress)
         self.bar = tqdm(total=self.total, initial=self.start, desc=cfg.name, disable=not show, dynamic_ncols=True)
         self.train_time = float(state.get("train_time", 0.0)) if state else 0.0
-        # loss and accuracy sums stay on the device between log steps: no host synchronisation in the step
-        self.acc_dtype = torch.float32 if d.device.type == "mps" else torch.float64
-        self.acc_loss = torch.zeros((), dtype=self.acc_dtype, device=d.device)
-        self.acc_correct = torch.zeros((), dtype=self.acc_dtype, device=d.device)
-        self.acc_count = self.acc_tokens = 0.0
         if state is not None and state.get("window"):   # the log window the checkpoint cut (exact metrics on resume)
             win = state["window"]
             w = [float(x) for x in (win[d.rank] if d.rank < len(win) else win[0])]
@@ -387,24 +351,33 @@ class Trainer:
             self.acc_correct.fill_(w[1])
             self.acc_count, self.acc_tokens = w[2], w[3]
         self.window_t0 = time.perf_counter()
-        self.last_eval: Optional[dict] = None
-        self.dyn_every = (cfg.log.dynamics_every or cfg.train.log_every) if cfg.log.dynamics else 0
-        self.dyn_grads: dict[str, float] = {}
         self.model.train()
 
     # ------------------------------------------------------------------ one optimiser step
     def step(self, step: int) -> None:
         """Forward and backward over this process's slice of the global batch of `step` (in grad_accum
         micro-batches), then clip and update; the loss and accuracy sums go into the log window."""
-        cfg, d, tc, data = self.cfg, self.d, self.cfg.train, self.data
         t_step = time.perf_counter()
-        self.lr = lr = lr_at(tc, step, self.total)
+        self.lr = lr = lr_at(self.cfg.train, step, self.total)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
-        per_row = tc.loops_sample != "fixed" and tc.loops_sample_per == "row"
+        micro, counts = self._micro_batches(step)
+        global_count = max(all_sum(self.d, [float(sum(counts))])[0], 1.0)
+        for i, mb in enumerate(micro):
+            self._micro_step(mb, counts[i], global_count, len(micro), last=i == len(micro) - 1)
+        self.last_micro = micro[-1]
+        self._update(step)
+        self.train_time += time.perf_counter() - t_step
+        self.bar.update(1)
+
+    def _micro_batches(self, step: int) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+        """This process's micro-batches of step `step` on the device (with each row's loop budget, `row_loops`,
+        and the positions the read-out looks at, `read_at`) and their supervised positions, counted on the host;
+        sets the step's loop count `self.loops`."""
+        cfg, d, tc, data = self.cfg, self.d, self.cfg.train, self.data
+        per_row = tc.samples_budgets and tc.loops_sample_per == "row"
         budgets = sample_loops(tc, step, cfg.model.loops, cfg.seed, self.B if per_row else 1)   # [B] | [1]
-        self.loops = R = int(budgets.max())                     # the step's loop count (per row: the largest)
-        n_read = loss_loops(tc, R)                               # read-outs in the loss (None: the last one)
+        self.loops = int(budgets.max())                         # the step's loop count (per row: the largest)
         keys = data.plan(step, self.B)                           # [B] global batch
         mine = np.array_split(keys, d.world)[d.rank]
         fetched = [data.fetch(k, step) for k in np.array_split(mine, tc.grad_accum)]
@@ -412,60 +385,73 @@ class Trainer:
             mine_b = np.array_split(budgets, d.world)[d.rank]
             for m, b in zip(fetched, np.array_split(mine_b, tc.grad_accum)):
                 m["row_loops"] = torch.from_numpy(b)
-        counts = [int((m["targets"] != IGNORE).sum()) if not m["targets"].dtype.is_floating_point
-                  else int(m["weight"].sum()) for m in fetched]          # counted on the host, before the copy
-        N = cfg.model.supervision_steps                          # deep supervision: N steps, each with its loss
-        gated = cfg.model.exit_gate and tc.exit_loss_weight > 0
-        per_loop_gate = gated and N == 1                         # the exit gate reads every loop (else every step)
-        if not gated and cfg.model.head != "sequence":           # the read-out only where the loss looks
+        counts = [supervised_count(m["targets"], m.get("weight")) for m in fetched]   # before the copy
+        if not self.trains_gate and cfg.model.head != "sequence":   # the read-out only where the loss looks
             for m in fetched:
                 at = read_positions(m)
                 if at is not None:
                     m["read_at"] = at
-        micro = [_to(m, d.device) for m in fetched]
-        global_count = max(all_sum(d, [float(sum(counts))])[0], 1.0)
+        return [_to(m, d.device) for m in fetched], counts
+
+    def _micro_step(self, mb: dict[str, torch.Tensor], count: int, global_count: float, n_micro: int,
+                    last: bool) -> None:
+        """Forward and backward of one micro-batch over its N supervision steps (`supervision_steps`: step j starts
+        from step j−1's detached state, one step in memory), each with its loss scaled to the global batch's mean;
+        DDP synchronises the gradients on the `last` micro-batch's last step. Sums go into the log window."""
+        cfg, d, tc = self.cfg, self.d, self.cfg.train
+        N, R = cfg.model.supervision_steps, self.loops          # deep supervision: N steps, each with its loss
+        n_read = loss_loops(tc, R)                               # read-outs in the loss (None: the last one)
         k = 1 if n_read is None else n_read
-        step_timestep = cfg.model.step_timestep
+        per_loop_gate = self.trains_gate and N == 1              # the exit gate reads every loop (else every step)
         return_all, read_loops = n_read is not None or per_loop_gate, None if per_loop_gate else n_read
-        read_only = N == 1 and not gated and tc.fixed_point == 0   # nothing reads the final hidden state
-        for i, mb in enumerate(micro):
-            at = mb.get("read_at")                               # [n] | None: every position
-            targets = mb["targets"] if "step_targets" not in mb else \
-                loop_targets(mb["step_targets"], R, n_read)                      # [n_read,B,T] per-loop targets
-            state = None
-            for j in range(N):                   # step j starts from step j-1's detached state; one step in memory
-                sync = i == len(micro) - 1 and j == N - 1
-                ctx = self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext()
-                with ctx:
-                    rows = mb.get("row_loops")                                     # [b] | None
-                    R_mb = R if rows is None else int(rows.max())
-                    with self.autocast():
-                        s, out = self.forward_loss(mb["inputs"], state, step_offset(step_timestep, j, R_mb), at,
-                                                   targets, mb.get("weight"), R_mb, return_all, read_loops, n_read,
-                                                   rows, read_only)
-                        loss = s * (d.world / (global_count * k * N)) + self.elastic_losses(mb, out, R_mb,
-                                                                                             d.world / global_count)
-                    if gated:   # a mean over this micro-batch: DDP averages it over processes
-                        gate = unwrap(self.model).exit_gate                # the gate reads, never steers: detached
-                        stops_, reads = ((gate(out.all_hidden.detach()), out.all_logits) if per_loop_gate  # [R,B,T(,C)]
-                                         else (gate(out.hidden.detach())[None], out.logits[None]))  # step's [1,...]
-                        loss = loss + tc.exit_loss_weight / (len(micro) * N) * exit_loss(
-                            tc, reads, stops_, mb["targets"], mb.get("weight"), cfg.model.causal)
-                    if self.scaler is not None:
-                        self.scaler.scale(loss).backward()
-                    else:
-                        loss.backward()
-                with torch.no_grad():
-                    self.acc_loss += s.detach().to(self.acc_dtype) / (k * N)
-                state = out.hidden.detach()
+        read_only = N == 1 and not self.trains_gate and tc.fixed_point == 0   # nothing reads the final state
+        at = mb.get("read_at")                                   # [n] | None: every position
+        targets = mb["targets"] if "step_targets" not in mb else \
+            loop_targets(mb["step_targets"], R, n_read)                          # [n_read,B,T] per-loop targets
+        rows = mb.get("row_loops")                                              # [b] | None
+        R_mb = R if rows is None else int(rows.max())
+
+        def run_step(j: int, state: Optional[torch.Tensor], offset: int) -> LoopOutput:
+            sync = last and j == N - 1
+            with self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext():
+                with self.autocast():
+                    s, out = self.forward_loss(mb["inputs"], state, offset, at, targets, mb.get("weight"), R_mb,
+                                               return_all, read_loops, n_read, rows, read_only)
+                    loss = s * (d.world / (global_count * k * N)) + elastic_losses(
+                        self.model, tc, cfg.model.loops, mb, out, R_mb, d.world / global_count)
+                if self.trains_gate:   # a mean over this micro-batch: DDP averages it over processes
+                    loss = loss + self._gate_loss(mb, out, per_loop_gate, n_micro)
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
             with torch.no_grad():
-                if data.classifies:
-                    logits, targets, _ = at_read(at, out.logits, mb["targets"])
-                    mask = targets != IGNORE
-                    self.acc_correct += ((logits.argmax(-1) == targets) & mask).sum().to(self.acc_dtype)
-                self.acc_count += counts[i]
-                self.acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]
-        self.last_micro = micro[-1]
+                self.acc_loss += s.detach().to(self.acc_dtype) / (k * N)
+            return out
+
+        for out in supervision_steps(self.net, mb["inputs"], N, R_mb, run_step=run_step):
+            pass                                                 # each step's backward ran inside it
+        with torch.no_grad():
+            if self.data.classifies:
+                logits, targets, _ = at_read(at, out.logits, mb["targets"])
+                self.acc_correct += ((logits.argmax(-1) == targets) & supervised(targets)).sum().to(self.acc_dtype)
+            self.acc_count += count
+            self.acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]
+
+    def _gate_loss(self, mb: dict[str, torch.Tensor], out: LoopOutput, per_loop: bool, n_micro: int) -> torch.Tensor:
+        """The exit gate's weighted loss on one supervision step's output: after every loop (`per_loop`) or after
+        the step. The gate reads, never steers: the hidden states are detached."""
+        tc, N = self.cfg.train, self.cfg.model.supervision_steps
+        gate = unwrap(self.model).exit_gate
+        stops_, reads = ((gate(out.all_hidden.detach()), out.all_logits) if per_loop            # [R,B,T(,C)]
+                         else (gate(out.hidden.detach())[None], out.logits[None]))             # the step's [1,...]
+        return tc.exit_loss_weight / (n_micro * N) * exit_loss(tc, reads, stops_, mb["targets"], mb.get("weight"),
+                                                               self.cfg.model.causal)
+
+    def _update(self, step: int) -> None:
+        """Unscale, record the gradient norms (dynamics steps), clip the trunk's and the exit gate's gradients
+        apart, step the optimiser and the weight average."""
+        d, tc = self.d, self.cfg.train
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if d.main and self.dyn_every and (step + 1) % self.dyn_every == 0:
@@ -482,8 +468,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update(self.model)
-        self.train_time += time.perf_counter() - t_step
-        self.bar.update(1)
 
     # ------------------------------------------------------------------ logging
     def log_train(self, done: int) -> None:
@@ -527,19 +511,16 @@ class Trainer:
                             f"kept (lower train.lr or enable train.grad_clip)")
 
     def evaluate(self, step: int, final: bool) -> Optional[dict]:
-        """Test metrics (rank 0; on the final evaluation also loop by loop), logged and shared with every process."""
+        """Test metrics (rank 0; on the final evaluation also loop by loop, and the halting rules, sweep and loop
+        budgets of `cfg.eval`: `loopformer.eval.run.evaluate_all`), logged and shared with every process."""
         cfg, res = self.cfg, None
         self.check_finite(step)
         if self.d.main:
-            total = cfg.model.total_loops                        # supervision_steps × loops
-            max_loops = (cfg.eval.max_loops or 2 * total) if final and cfg.eval.loopwise else 0
-            kw = dict(loops=total, max_loops=max_loops, batch_size=cfg.eval.batch_size, limit=cfg.eval.n,
-                      loopwise=final and cfg.eval.loopwise, device=self.d.device, autocast=self.autocast,
-                      votes=cfg.eval.votes, step_halt=cfg.eval.step_halt)
-            res = evaluate(self.model, self.data, **kw)
+            kw = dict(loopwise=final, device=self.d.device, autocast=self.autocast)
+            res = evaluate_all(self.model, self.data, cfg.eval, extras=final, **kw)
             rec = {"split": "test", "step": step, "loops": res["loops"], **res["metrics"]}
             if self.ema is not None:
-                res_ema = evaluate(self.ema.module, self.data, **kw)
+                res_ema = evaluate_all(self.ema.module, self.data, cfg.eval, extras=False, **kw)
                 res["ema"] = res_ema
                 rec.update({f"ema_{k}": v for k, v in res_ema["metrics"].items()})
             self.log.write(rec)
@@ -563,12 +544,7 @@ class Trainer:
         """results.json (rank 0) from the final evaluation; every process returns it."""
         cfg, d, tc, results = self.cfg, self.d, self.cfg.train, None
         if d.main:
-            halting = None if not cfg.eval.halt else evaluate_halting(
-                self.model, self.data, cfg.eval.halt, batch_size=cfg.eval.batch_size, limit=cfg.eval.n,
-                device=d.device)
-            budgets = None if not cfg.eval.budgets else evaluate_budgets(
-                self.model, self.data, sorted(set(cfg.eval.budgets)), batch_size=cfg.eval.batch_size,
-                limit=cfg.eval.n, device=d.device, autocast=self.autocast)
+            halting, budgets, sweep = (final.get(k) for k in ("halting", "budgets", "halting_sweep"))
             results = run.write_results(self.run_dir, {
                 "name": cfg.name, "task": self.data.describe(), "variant": cfg.model.variant,
                 "loops": cfg.model.loops, "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep,
@@ -583,9 +559,10 @@ class Trainer:
                    if "ema" in final else {}),
                 **({"halting": halting} if halting else {}),
                 **({"budgets": budgets} if budgets else {}),
+                **({"halting_sweep": sweep} if sweep else {}),
                 **({"loops_sample": {"kind": tc.loops_sample, "per": tc.loops_sample_per,
                                      "range": list(budget_range(tc, cfg.model.loops))}}
-                   if tc.loops_sample != "fixed" else {}),
+                   if tc.samples_budgets else {}),
                 **({"references": refs} if (refs := self.data.references()) else {}),
             })
         self.log.close()

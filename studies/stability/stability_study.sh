@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The stability study (docs/stability.md): do deep loops train on every seed and settle past r? Each stage is a
+# `loopformer sweep` of the shipped depth configs, so re-running this script completes an interrupted study
+# (finished runs are skipped, interrupted ones resume). Runs go to $STUDY (default sweeps/stability, ignored by
+# git); `collect` copies the compact results (tables, every run's results.json and dynamics records) into
+# studies/stability/. Every run is evaluated after every loop up to 4r (eval.max_loops), so accuracy at r, 2r and 4r
+# and the drift past r come from the same run.
+#
+#   bash studies/stability/stability_study.sh baseline-schedule  # the circuit (K = 32) at r = 32 with the shipped recipe:
+#                                                      #   looped and TMLT, seeds 0-4 (10 runs of 2,000 steps)
+#   bash studies/stability/stability_study.sh baseline-pointer   # pointer chasing (16 symbols, 12 hops) at r = 32 with the
+#                                                      #   shipped recipe: looped and TMLT, seeds 0-4 (10 runs of
+#                                                      #   4,000 steps, ~15 min each on one core)
+#   bash studies/stability/stability_study.sh screen-pointer     # each stabiliser alone on pointer chasing at r = 32, looped,
+#   bash studies/stability/stability_study.sh screen-schedule    #   seeds 0-1 (SCREENS below; ~13 min / ~5 min a run)
+#   bash studies/stability/stability_study.sh collect            # tables and compact results into studies/stability/
+# Cost on 2 CPU cores: two runs at a time ($JOBS), one thread each.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+STUDY=${STUDY:-sweeps/stability}
+. scripts/study_lib.sh
+SEEDS=${SEEDS:-0,1,2,3,4}
+
+# the shipped recipe of CONFIG at r = 32, looped and TMLT over $SEEDS (paired by seed): baseline CONFIG OUT [override ...]
+baseline() {
+  "$LF" sweep "configs/cpu/$1.yaml" model.loops=32 eval.max_loops=128 "${@:3}" \
+    --grid seed="$SEEDS" model.timestep=false,true --out "$STUDY/$2" "${SW[@]}"
+}
+
+# the screened stabilisers: name and overrides (docs/stability.md says what each is)
+SCREENS=(
+  "noise-start:model.start_state=noise model.start_noise=1.0"
+  "state-noise:model.state_noise=0.05"
+  "scale-rsqrt:model.loop_scale=rsqrt"
+  "scale-inv:model.loop_scale=inv"
+  "layerscale:model.loop_scale=layerscale model.layerscale_init=0.1"
+  "sandwich:model.sandwich_norm=true"
+  "stablemax:train.loss=stablemax"
+  "loop-sampling:train.loops_start=0 train.loops_sample=uniform train.loops_min=16 train.loops_max=48"
+  "fixed-point-loss:train.fixed_point=0.1"
+  "truncated-bptt:model.grad_loops=16"
+)
+# screen CONFIG: every entry of SCREENS as its own sweep, looped, seeds 0-1
+screen() {
+  local entry name
+  for entry in "${SCREENS[@]}"; do
+    name=${entry%%:*}
+    # shellcheck disable=SC2086
+    "$LF" sweep "configs/cpu/$1.yaml" model.loops=32 eval.max_loops=128 ${entry#*:} \
+      --grid seed=0,1 --out "$STUDY/screen-$1-$name" "${SW[@]}"
+  done
+}
+
+stage() {
+  case "$1" in
+    baseline-schedule) baseline schedule baseline-schedule ;;
+    baseline-pointer)  baseline pointer baseline-pointer ;;
+    screen-pointer)    screen pointer ;;
+    screen-schedule)   screen schedule ;;
+    collect)           collect studies/stability ;;
+    *) echo "unknown stage: $1" >&2; exit 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { sed -n '2,18p' "$0"; exit 2; }
+for s in "$@"; do stage "$s"; done
