@@ -4,11 +4,14 @@ config (e.g. the TMLT, compilation, bf16), each in its own process, measured in 
 Every (source, case) pair is a worker process that builds the real `Trainer` of the config (data, model, optimiser,
 losses) and waits; the workers then take turns — one runs `--chunk` steps while the others sleep — for `--reps`
 rounds, so all share the machine's state alike. Printed per case: the steady-state step time (median over every
-timed step), its ratio to the first source's, the first steps' time (compilation included) and the largest relative
-difference of the first steps' losses from the first source's (the same math gives float-level differences).
+timed step), its ratio to the first source's and to the first case's, the first steps' time (compilation included;
+with `--cold` from an empty compiler cache) and the largest relative difference of the first steps' losses from the
+first source's (the same math gives float-level differences).
 
     python benchmarks/bench_step.py configs/cpu/ed.yaml model.loops=16 --against HEAD~3 \
         --case looped= --case tmlt=model.timestep=true --reps 5
+    python benchmarks/bench_step.py configs/cpu/pointer.yaml model.loops=64 train.loops_start=0 train.compile=true \
+        --case step=train.compile_scope=step --case block=train.compile_scope=block --cold --warmup 2
 
 A source is this checkout (`.`) or a commit (extracted with `git archive` into a temporary folder). Workers run
 with one thread each (`--threads`), one at a time. With `--device cuda` each timed step ends with a synchronisation;
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,8 +86,10 @@ def source_dir(src: str, tmp: Path) -> Path:
     return dest
 
 
-def start(src: Path, config: str, overrides: list[str], args) -> subprocess.Popen:
+def start(src: Path, config: str, overrides: list[str], args, cache: Optional[str] = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(args.threads)}
+    if cache:                                   # an empty compiler cache of its own: a cold compilation
+        env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=cache)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", config, *overrides,
            "--threads", str(args.threads), "--warmup", str(args.warmup), "--device", args.device]
     return subprocess.Popen(cmd, cwd=src, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -102,6 +108,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=10, help="steps per turn")
     ap.add_argument("--warmup", type=int, default=5, help="steps before timing (compilation happens here)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cold", action="store_true",
+                    help="every worker compiles with an empty compiler cache of its own (the first steps' time is "
+                         "then a cold compilation, as on a fresh machine)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (the run config's device choices)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -116,7 +125,8 @@ def main() -> None:
         for name, ov in cases:
             extra = [o for o in ov.split(",") if o]
             for s in sources:
-                w = start(dirs[s], args.config, args.overrides + extra, args)
+                cache = tempfile.mkdtemp(prefix="inductor-", dir=tmp) if args.cold else None
+                w = start(dirs[s], args.config, args.overrides + extra, args, cache)
                 info[name, s] = json.loads(w.stdout.readline())   # built and warmed up, one at a time
                 workers[name, s] = w
         times: dict = {k: [] for k in workers}
@@ -131,9 +141,10 @@ def main() -> None:
 
     print(f"{args.config} {' '.join(args.overrides)}: {args.reps} rounds x {args.chunk} steps on {args.device}, "
           f"{args.threads} thread(s); speed-up = the first source's step time / this one's, per case\n")
-    print("| case | source | params | ms/step (median) | [p10-p90] | speed-up | first "
+    print("| case | source | params | ms/step (median) | [p10-p90] | speed-up | vs first case | first "
           f"{args.warmup} steps (s) | max rel. loss diff |")
-    print("|---|---|---:|---:|---|---:|---:|---:|")
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|")
+    first_case = {s: statistics.median(times[cases[0][0], s]) for s in sources}
     for name, _ in cases:
         base = statistics.median(times[name, sources[0]])
         ref = info[name, sources[0]]["losses"]
@@ -143,7 +154,8 @@ def main() -> None:
             p10, p90 = ts[len(ts) // 10], ts[(9 * len(ts)) // 10]
             diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(info[name, s]["losses"], ref))
             print(f"| {name} | {s} | {info[name, s]['params']:,} | {med * 1e3:.1f} | {p10 * 1e3:.1f}-{p90 * 1e3:.1f} "
-                  f"| {base / med:.2f}x | {info[name, s]['warmup_s']:.1f} | {diff:.1e} |", flush=True)
+                  f"| {base / med:.2f}x | {first_case[s] / med:.2f}x | {info[name, s]['warmup_s']:.1f} | {diff:.1e} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

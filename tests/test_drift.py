@@ -3,11 +3,14 @@ the verdict against direct computations and constructed models."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from loopformer.eval.drift import THRESHOLDS, drift_report, drift_table, spectral_radius, trajectory, verdict
 from loopformer.model import LoopedTransformer
 from loopformer.model.config import ModelConfig
+from loopformer.model.diagnostics import state_grad_norms
 from loopformer.sources import make_data
 from loopformer.train.config import load_run_config
 
@@ -78,3 +81,57 @@ def test_drift_report_on_a_task():
     assert rep["verdict"] in ("settling", "marginal", "drifting")
     assert rep["spectral_radius"]["rows"] == 8 and rep["spectral_radius"]["max"] >= rep["spectral_radius"]["median"]
     assert "| 4r |" in drift_table(rep)
+
+
+def test_state_grad_norms_against_the_remaining_loops_run_at_once():
+    """‖∂L/∂h_t‖ from the one-loop-per-call chain equals the gradient through a single call running loops t+1..R
+    from h_t (the carried-state path), for a TMLT whose loops differ."""
+    m = _model(timestep=True, timestep_gate_init=0.5)
+    x = torch.randint(0, 11, (3, 6))
+    y = torch.randint(0, 11, (3, 6))
+    y[:, :2] = -100                                                   # unsupervised positions
+    R = 4
+    got = state_grad_norms(m, x, y, loops=R, ignore_index=-100)
+    want = []
+    for t in range(1, R + 1):
+        h = m(x, loops=t).hidden.detach().requires_grad_(True)
+        logits = m(x, state=h, loops=R - t, loop_offset=t).logits if t < R else m.head(m.norm_f(h))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), y.reshape(-1), ignore_index=-100)
+        (g,) = torch.autograd.grad(loss, h)
+        want.append(float(g.flatten(1).norm(dim=1).mean()))
+    assert len(got) == R
+    assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-8)
+    assert all(p.grad is None for p in m.parameters())               # the parameters' gradients untouched
+
+
+def test_runs_record_drift_and_per_loop_state_gradients(tmp_path):
+    from loopformer.train.trainer import train
+    run = tmp_path / "r"
+    res = train(load_run_config(None, [*TINY, "train.steps=4", "train.log_every=2", "train.compile=false",
+                                       f"out_dir={run}"]))
+    d = res["drift"]
+    assert d["loops"] == 3 and len(d["metric_per_loop"]) == 12 and d["verdict"] in ("settling", "marginal", "drifting")
+    assert d["at"]["2r"] == res["loopwise"][5][d["metric"]]          # the loop-wise curve, reused up to 2r
+    on_disk = json.loads((run / "results.json").read_text())
+    assert on_disk["drift"]["verdict"] == d["verdict"]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    dyn = [r for r in recs if r["split"] == "dynamics"]
+    assert dyn and all(len(r["state_grad"]) == 3 and all(g >= 0 for g in r["state_grad"]) for r in dyn)
+    assert any(g > 0 for g in dyn[-1]["state_grad"])
+    off = train(load_run_config(None, [*TINY, "train.steps=1", "eval.drift=false", "train.compile=false",
+                                       f"out_dir={tmp_path / 'off'}"]))
+    assert "drift" not in off
+
+
+def test_eval_drift_flag_prints_the_verdict(tmp_path, capsys):
+    from loopformer.cli import main
+    from loopformer.train.trainer import train
+    run = tmp_path / "r"
+    train(load_run_config(None, [*TINY, "train.steps=2", "train.compile=false", f"out_dir={run}"]))
+    js = tmp_path / "e.json"
+    assert main(["eval", str(run), "--drift", "--quiet", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "drift past r" in out and "| 4r |" in out
+    assert json.loads(js.read_text())["drift"]["max_loops"] == 12
+    assert main(["eval", str(run), "--quiet", "--json", str(js)]) == 0
+    assert "drift" not in json.loads(js.read_text())

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from loopformer import fileio
 from loopformer.errors import UserError
@@ -20,7 +21,8 @@ from loopformer.train.distributed import setup
 from loopformer.train.losses import loop_targets, read_positions, summed_loss
 from loopformer.train.optim import make_optimizer
 from loopformer.train.run import read_metrics
-from loopformer.train.trainer import Trainer, compiles, train
+from loopformer.train.compiling import block_compiled, eager
+from loopformer.train.trainer import Trainer, compiles, step_scope, train
 
 BASE = ["task.n_train=128", "task.n_test=32", "model.d_model=16", "model.n_heads=2", "model.loops=3",
         "model.input_injection=true", "train.steps=4", "train.batch_size=16", "train.lr=3e-3", "train.log_every=1",
@@ -210,8 +212,17 @@ def test_compile_setting_and_the_auto_rule(monkeypatch):
     assert not compiles(cfg("train.compile=auto"), mps, 5000)
     assert compiles(cfg("train.compile=true"), cpu, 4) and not compiles(cfg("train.compile=false"), cpu, 5000)
     # a loop curriculum: only the steps at the final loop count run compiled, and count
-    cur = cfg("model.loops=8", "train.loops_start=2", "train.loops_every=100", "train.loops_increment=2")
+    cur = cfg("model.loops=8", "train.loops_start=2", "train.loops_every=100", "train.loops_increment=2",
+              "train.compile_scope=step")
     assert not compiles(cur, cpu, 1299) and compiles(cur, cpu, 1300)          # 8 loops from step 300 on
+    # ... unless the block is compiled (auto with a curriculum): one graph for every loop count, every step counts
+    cur_auto = cfg("model.loops=8", "train.loops_start=2", "train.loops_every=100", "train.loops_increment=2")
+    assert step_scope(cur_auto) == "block" and compiles(cur_auto, cpu, 1000)
+    assert step_scope(cfg("model.loops=16")) == "step" and step_scope(cfg("model.loops=17")) == "block"
+    assert step_scope(cfg("model.loops=64", "train.compile_scope=step")) == "step"
+    assert step_scope(cfg("model.loops=4", "train.loops_sample=uniform", "train.loops_min=2")) == "block"
+    with pytest.raises(ValueError, match="train.compile_scope"):
+        TrainConfig(steps=1, compile_scope="layer")
     monkeypatch.setattr(fileio.shutil, "which", lambda name: None)        # no C++ compiler
     assert not compiles(cfg("train.compile=auto"), cpu, 5000)
 
@@ -223,7 +234,8 @@ def _losses(run_dir):
 @pytest.mark.skipif(not shutil.which("g++") and not shutil.which("c++"), reason="no C++ compiler for torch.compile")
 def test_compiled_step_trains_like_the_eager_step(tmp_path):
     over = [*BASE, *TASKS["pointer"], "train.steps=4", "model.loops=3", "train.loops_start=2",
-            "train.loops_every=2", "train.loops_increment=1"]                  # 2 loops (eager), then 3 (compiled)
+            "train.loops_every=2", "train.loops_increment=1",                 # 2 loops (eager), then 3 (compiled)
+            "train.compile_scope=step"]
     eager = train(load_run_config(None, [*over, "train.compile=false", f"out_dir={tmp_path / 'e'}"]))
     comp = train(load_run_config(None, [*over, "train.compile=true", f"out_dir={tmp_path / 'c'}"]))
     assert comp["compiled"] and comp["compile_s"] > 0 and not eager["compiled"] and eager["compile_s"] == 0
@@ -231,6 +243,28 @@ def test_compiled_step_trains_like_the_eager_step(tmp_path):
     assert le[:2] == lc[:2]                                                   # curriculum steps: the same eager code
     assert lc[2:] == pytest.approx(le[2:], rel=1e-4)                          # compiled: the same math
     assert comp["test"]["accuracy"] == pytest.approx(eager["test"]["accuracy"], abs=1 / 32 + 1e-9)
+
+
+@pytest.mark.skipif(not shutil.which("g++") and not shutil.which("c++"), reason="no C++ compiler for torch.compile")
+def test_compiled_block_trains_like_the_eager_step(tmp_path):
+    """Regional compilation: each layer of the block compiled once, run by every loop of every loop count (a
+    curriculum from 2 to 3 loops, a TMLT); the same losses as eager to float rounding, the same checkpoint."""
+    over = [*BASE, *TASKS["pointer"], "train.steps=4", "model.loops=3", "train.loops_start=2", "model.timestep=true",
+            "train.loops_every=2", "train.loops_increment=1", "train.compile_scope=block"]
+    eager_ = train(load_run_config(None, [*over, "train.compile=false", f"out_dir={tmp_path / 'e'}"]))
+    comp = train(load_run_config(None, [*over, "train.compile=true", f"out_dir={tmp_path / 'c'}"]))
+    assert comp["compiled"] and comp["compile_scope"] == "block" and comp["compile_s"] > 0
+    assert not eager_["compiled"] and eager_["compile_scope"] is None
+    assert _losses(tmp_path / "c") == pytest.approx(_losses(tmp_path / "e"), rel=1e-4)   # every step compiled
+    assert comp["test"]["accuracy"] == pytest.approx(eager_["test"]["accuracy"], abs=1 / 32 + 1e-9)
+    a, b = (load_file(str(tmp_path / n / "checkpoint" / "model.safetensors")) for n in ("e", "c"))
+    assert a.keys() == b.keys()                                              # the plain model's state dict
+    t = _trainer(tmp_path / "t", *TASKS["pointer"], "model.loops=3", "train.compile=true",
+                 "train.compile_scope=block")
+    assert t.regional and block_compiled(t.model)
+    with eager(t.model):
+        assert not block_compiled(t.model)
+    assert block_compiled(t.model)
 
 
 def test_auto_falls_back_to_eager_when_compiling_fails(tmp_path, monkeypatch, capsys):

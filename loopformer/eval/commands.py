@@ -17,6 +17,7 @@ from loopformer.eval.budgets import budgets_plot, evaluate_budgets, format_budge
 from loopformer.eval.config import EvalConfig
 from loopformer.eval.evaluate import check_eval_args, format_results
 from loopformer.eval.halting import format_halting, sweep_plot
+from loopformer.eval.drift import drift_table
 from loopformer.eval.run import EXTRAS, check_eval_config, evaluate_all
 from loopformer.model.memory import check_loops
 from loopformer.model.halting import CRITERIA, HaltRule
@@ -78,7 +79,7 @@ def evaluate_checkpoint(path: str, cfg: Optional[EvalConfig] = None, *, device: 
     (`other_data`); results["data"] names the data. With `cfg.budgets`, results["budgets"] is {name:
     `evaluate_budgets` result}: this checkpoint first, then each of `against` (checkpoints of the same task, on the
     same data)."""
-    cfg = cfg or EvalConfig()
+    cfg = cfg or EvalConfig(drift=False)
     if against and not cfg.budgets:
         raise UserError("--against compares loop budgets: give --budgets too")
     p = resolve_checkpoint(path)
@@ -143,7 +144,7 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         return EvalConfig(batch_size=args.batch_size, n=args.n, loops=args.loops or 0, max_loops=args.max_loops or 0,
                           loopwise=not args.no_loopwise, halt=list(args.halt or []), halt_sweep=sweep,
                           budgets=parse_budgets(args.budgets) if args.budgets is not None else [],
-                          votes=args.votes, step_halt=args.step_halt)
+                          votes=args.votes, step_halt=args.step_halt, drift=args.drift)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -184,6 +185,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             print(f"\n{title} (at most {res[key]['loops']} loops; loops per "
                   f"{'supervised token' if res['causal'] else 'row'}):")
             print(format_halting(res[key]))
+    if "drift" in res:
+        print(f"\ndrift past r (loops up to 4r):\n{drift_table(res['drift'])}")
     if "budgets" in res:
         print(f"\n{res['metric']} when run with each loop budget:")
         print(format_budgets(res["budgets"]))
@@ -226,6 +229,9 @@ def register(subparsers) -> None:
     p.add_argument("--against", action="append", metavar="RUN",
                    help="with --budgets: the same budgets for this run too (same task; repeatable), e.g. models "
                         "trained at fixed r")
+    p.add_argument("--drift", action="store_true",
+                   help="also the drift diagnostics up to 4r: metric, state change, spectral radius of the loop map, "
+                        "a verdict settling / marginal / drifting")
     p.add_argument("--plot", metavar="FILE", help="draw the --halt-sweep or the --budgets (PNG)")
     p.add_argument("--past-r", choices=["continue", "clamp"], default=None,
                    help="the timestep encoding's loop index past the trained loops (default: the checkpoint's)")

@@ -35,6 +35,8 @@ class EvalConfig:
     votes: int = 0                    # test-time augmentation for tasks that define it (Sudoku): predict this many
                                       # augmented copies besides the puzzle, map them back and vote per cell;
                                       # reported next to the plain metrics as voted_* (0: off)
+    drift: bool = True                # the drift diagnostics up to 4r at the end (results.json "drift":
+                                      # loopformer.eval.drift): metric, state change, spectral radius, verdict
     step_halt: float = 0.5            # halting across supervision steps (exit gate, supervision_steps > 1): a row
                                       # stops at the first step whose stop probability reaches this (halted_*)
 

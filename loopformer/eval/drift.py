@@ -111,10 +111,12 @@ def verdict(metric_at: dict[int, float], change_last: float, r: int, higher: boo
 
 def drift_report(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] = None, batch_size: int = 256,
                  limit: int = 0, device: Optional[torch.device] = None, rows: int = 64,
-                 autocast: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+                 autocast: Callable[[], Any] = contextlib.nullcontext,
+                 curve: Optional[list[float]] = None) -> dict[str, Any]:
     """The drift diagnostics of `model` at r = `loops` (default: its trained loops × supervision steps) on `data`'s
     test split (the first `limit` rows; 0: all): the metric after every loop up to 4r, the state and read-out change
-    per loop and the spectral radius (on the first `rows` test rows), the verdict. results.json's "drift"."""
+    per loop and the spectral radius (on the first `rows` test rows), the verdict. results.json's "drift".
+    `curve`: the metric after every loop 1..≥4r when the caller has it already (the loop-wise evaluation)."""
     net = unwrap(model)
     r = int(loops or net.config.total_loops)
     R = 4 * r
@@ -122,8 +124,10 @@ def drift_report(model: torch.nn.Module, data: DataSource, *, loops: Optional[in
     was = net.training
     net.eval()
     try:
-        with torch.no_grad():
-            curve = loop_metrics(net, data, R, True, batch_size, limit, device, autocast, False)
+        if curve is None or len(curve) < R:
+            with torch.no_grad():
+                curve = [float(m[data.metric]) for m in
+                         loop_metrics(net, data, R, True, batch_size, limit, device, autocast, False)]
         batch = data.as_tensors(next(iter(data.test_batches(rows, rows))), device)
         x, y, w = batch["inputs"], batch["targets"], batch.get("weight")
         per_row = R * x.shape[1] * net.config.d_model
@@ -134,7 +138,7 @@ def drift_report(model: torch.nn.Module, data: DataSource, *, loops: Optional[in
         net.train(was)
     metric = data.metric
     higher = data.higher_is_better
-    values = [float(m[metric]) for m in curve]
+    values = [float(v) for v in curve[:R]]
     at = {k * r: values[k * r - 1] for k in (1, 2, 4)}
     best = int(np.argmax(values) if higher else np.argmin(values))
     return {

@@ -18,13 +18,14 @@ import torch
 
 from loopformer.eval.budgets import budget_runs
 from loopformer.eval.config import EvalConfig
+from loopformer.eval.drift import drift_report
 from loopformer.eval.evaluate import check_eval_args, fixed_depth
 from loopformer.eval.halting import check_halting_args, parse_rules, rules_side_by_side, threshold_sweep
 from loopformer.model.looped import unwrap
 from loopformer.model.memory import check_loops, loop_cap
 from loopformer.sources import DataSource
 
-EXTRAS = ("halting", "budgets", "halting_sweep")   # the keys evaluate_all adds to `evaluate`'s result
+EXTRAS = ("halting", "budgets", "halting_sweep", "drift")   # the keys evaluate_all adds to `evaluate`'s result
 
 
 def check_eval_config(cfg: EvalConfig, trained: int) -> None:
@@ -43,8 +44,9 @@ def evaluate_all(model: torch.nn.Module, data: DataSource, cfg: EvalConfig, *, l
     """`model` on `data`'s test split as `cfg` asks: `evaluate`'s result (metrics at r, the loop-wise curve up to
     `cfg.max_loops`, default 2r, unless `loopwise` or `cfg.loopwise` is off), and with `extras` also "halting"
     (`cfg.halt`: `evaluate_halting`), "budgets" (`cfg.budgets`: `evaluate_budgets`, the halting rules capped at
-    each budget) and "halting_sweep" (`cfg.halt_sweep`: `halting_sweep`) where asked for. `autocast`: the
-    precision of the fixed-depth and budget forwards (halting rules run in the model's own)."""
+    each budget), "halting_sweep" (`cfg.halt_sweep`: `halting_sweep`) and "drift" (`cfg.drift`: the drift
+    diagnostics up to 4r, `loopformer.eval.drift`, reusing the loop-wise curve where it reaches 4r) where asked
+    for. `autocast`: the precision of the fixed-depth and budget forwards (halting rules run in the model's own)."""
     raw = unwrap(model)
     trained = raw.config.total_loops
     check_eval_config(cfg, trained)
@@ -62,6 +64,10 @@ def evaluate_all(model: torch.nn.Module, data: DataSource, cfg: EvalConfig, *, l
         res["budgets"] = budget_runs(raw, data, sorted(set(cfg.budgets)), autocast=autocast, halt=rules, **common)
     if cfg.halt_sweep:
         res["halting_sweep"] = threshold_sweep(raw, data, cfg.halt_sweep, loops=r, **common)
+    if cfg.drift and 4 * r <= loop_cap(trained):
+        curve = [float(p[data.metric]) for p in res["loopwise"]]
+        res["drift"] = drift_report(raw, data, loops=r, batch_size=cfg.batch_size, limit=cfg.n, device=device,
+                                    autocast=autocast, curve=curve if len(curve) >= 4 * r else None)
     return res
 
 

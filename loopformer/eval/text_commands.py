@@ -67,7 +67,8 @@ def perplexity_config(args: argparse.Namespace) -> EvalConfig:
         check_loops(args.loops, 0, "loops")
     for h in args.halt or []:
         HaltRule.parse(h)
-    return EvalConfig(batch_size=args.batch_size, loops=args.loops or 0, loopwise=False, halt=list(args.halt or []))
+    return EvalConfig(batch_size=args.batch_size, loops=args.loops or 0, loopwise=False, halt=list(args.halt or []),
+                      drift=False)
 
 
 def _check_vocab(model, corpus) -> None:

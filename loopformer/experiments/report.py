@@ -390,7 +390,7 @@ def generalisation_table(runs: list[dict], data_dir: Optional[str] = None, task_
         "the test split regenerated with " + ", ".join(f"{k}={v}" for k, v in (task_opts or {}).items())
     groups: dict[tuple[str, str], list[tuple[dict, Any]]] = defaultdict(list)
     check_eval_args(limit=limit)
-    cfg = EvalConfig(n=limit, loopwise=False)
+    cfg = EvalConfig(n=limit, loopwise=False, drift=False)
     for r in runs:
         try:
             other = evaluate_checkpoint(r["_dir"], cfg, device=device,

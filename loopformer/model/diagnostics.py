@@ -8,6 +8,9 @@ Pure measurements on a model (and a batch), used by the trainer's periodic log a
                        read-in embedding), the read-out's loss and accuracy (or squared error), and for every sample
                        the settle loop: the first t after which its answer no longer changes up to the last loop
     grad_norms         the gradient norm of each parameter group (embedding, block, timestep, modulation, head)
+    state_grad_norms   per loop t: ‖∂L/∂h_t‖, the gradient of the final read-out's loss with respect to the state
+                       after loop t (mean over rows): which loops the gradient reaches (vanishing: small early
+                       values; exploding: large ones)
     fixed_modulation   run a TMLT with one modulation for every loop instead of its own per-loop ones (with
                        `modulation_ablations`: the trained loops' average, which keeps the learned scales and
                        drops their dependence on t, or the identity γ = 1, α = 1, the plain looped block): whether
@@ -125,6 +128,36 @@ def loop_dynamics(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
     last_diff = torch.where(changed, idx, torch.zeros_like(idx)).max(0).values       # [B]
     res["settle"] = (last_diff + 1).clamp(max=R).cpu().numpy().astype(np.int64).tolist()
     return res
+
+
+def state_grad_norms(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, loops: int,
+                     weight: Optional[torch.Tensor] = None, ignore_index: int = -100) -> list[float]:
+    """‖∂L/∂h_t‖ for t = 1..loops (per row over T·D, mean over rows), L the loss of the read-out after the last loop
+    (cross-entropy per supervised token, or weighted squared error), in eval mode (no dropout, no RNG drawn).
+
+    The loop is run one loop per call from the carried state (`forward(state=h, loop_offset=t)`, exactly the
+    unrolled loop) so that every h_t is a tensor of the graph; the gradients do not touch the parameters'
+    `.grad`.  inputs [B,T] ids or [B,T,d] reals, targets [B,T]."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            out = model(inputs, loops=1, budget=loops)
+            hs = [out.hidden]                                                          # h_1: [B,T,D]
+            for t in range(1, loops):
+                out = model(inputs, state=hs[-1], loops=1, loop_offset=t, budget=loops)
+                hs.append(out.hidden)
+            logits = out.logits.float()                                                # [B,T,C]
+            if targets.dtype.is_floating_point:
+                w = torch.ones_like(targets) if weight is None else weight.to(logits.dtype)
+                loss = ((logits[..., 0] - targets).pow(2) * w).sum() / w.sum().clamp(min=1)
+            else:
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                       ignore_index=ignore_index)
+            grads = torch.autograd.grad(loss, hs, allow_unused=True)
+    finally:
+        model.train(was_training)
+    return [0.0 if g is None else float(g.float().flatten(1).norm(dim=1).mean()) for g in grads]
 
 
 def summarize_settle(settle: list[int], loops: int) -> dict[str, float | list[int]]:

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from loopformer.configio import one_line, load_config, user_layers
 from loopformer.errors import UserError
 from loopformer.eval.config import EvalConfig
+from loopformer.train.compiling import COMPILE_SCOPES
 from loopformer.model.config import ModelConfig
 from loopformer.model.memory import loop_cap
 from loopformer.sources import TaskConfig, model_fields
@@ -84,6 +85,11 @@ class TrainConfig:
     compile: str = "auto"             # torch.compile the training step (forward, loss, backward) at the final loop
                                       # count: auto (on for runs of >= 1,000 such steps on a CUDA GPU or on a CPU
                                       # with a C++ compiler; off if compiling fails) | true | false
+    compile_scope: str = "auto"       # what compiles: "step" (forward and loss unrolled over every loop: one graph
+                                      # per loop count, cold compilation growing with r) | "block" (each layer of
+                                      # the shared block once, looped eagerly: compilation independent of r, every
+                                      # loop count compiled) | auto (block above 16 loops or with a loop curriculum
+                                      # or drawn budgets, else step); loopformer.train.compiling
     compile_mode: str = "default"     # torch.compile's mode: default | reduce-overhead (CUDA graphs of the step,
                                       # for small models on a GPU) | max-autotune
     timestep_lr_mult: float = 0.1     # lr multiplier of the timestep embedder and the modulations (TMLT); 1: the
@@ -117,6 +123,8 @@ class TrainConfig:
         _need(self.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS} (got {self.precision!r})")
         self.compile = str(self.compile).lower()          # a YAML boolean arrives as "True" / "False"
         _need(self.compile in COMPILE, f"train.compile must be one of {COMPILE} (got {self.compile!r})")
+        _need(self.compile_scope in COMPILE_SCOPES,
+              f"train.compile_scope must be one of {COMPILE_SCOPES} (got {self.compile_scope!r})")
         _need(self.compile_mode in COMPILE_MODES,
               f"train.compile_mode must be one of {COMPILE_MODES} (got {self.compile_mode!r})")
         _need(self.timestep_lr_mult > 0, f"train.timestep_lr_mult must be > 0 (got {self.timestep_lr_mult})")

@@ -38,7 +38,8 @@ from loopformer.configio import to_dict
 from loopformer.errors import UserError
 from loopformer.eval.run import evaluate_all
 from loopformer.fileio import can_compile
-from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, summarize_settle
+from loopformer.model.diagnostics import (grad_norms, loop_dynamics, modulation_stats, state_grad_norms,
+                                         summarize_settle)
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
 from loopformer.model.memory import check_fits, estimate
@@ -46,6 +47,7 @@ from loopformer.model.recursion import supervision_steps
 from loopformer.sources import DataSource, make_data
 from loopformer.tasks import IGNORE
 from loopformer.train import run
+from loopformer.train.compiling import compile_block, compile_scope, eager, uncompile_block
 from loopformer.train.config import RunConfig
 from loopformer.train.ema import EMA
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
@@ -100,14 +102,24 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 COMPILE_MIN_STEPS = 1000   # train.compile=auto: steps at the final loop count that repay a compilation (~20-60 s)
 
 
+def step_scope(cfg: RunConfig) -> str:
+    """What a compiled step compiles ("step" or "block", `loopformer.train.compiling.compile_scope`)."""
+    tc, R = cfg.train, cfg.model.loops
+    curriculum = 0 < tc.loops_start < R
+    return compile_scope(tc.compile_scope, R, varying=tc.samples_budgets or curriculum)
+
+
 def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
     """Whether the training step runs compiled (`train.compile`): "true" / "false" as said; "auto" when at least
-    COMPILE_MIN_STEPS steps run at the final loop count (after any loop curriculum) on a CUDA device with Triton or
-    on a CPU with a C++ compiler (what torch.compile's code generation needs)."""
+    COMPILE_MIN_STEPS steps run compiled — every step when the block is compiled (`step_scope`), else the steps at
+    the final loop count (after any loop curriculum; none with drawn budgets) — on a CUDA device with Triton or on a
+    CPU with a C++ compiler (what torch.compile's code generation needs)."""
     mode = cfg.train.compile
     if mode != "auto":
         return mode == "true"
     tc, R = cfg.train, cfg.model.loops
+    if step_scope(cfg) == "block":           # one graph for every loop count
+        return total >= COMPILE_MIN_STEPS and can_compile(device)
     if tc.samples_budgets:                   # drawn loop counts: few steps at any one of them
         return False
     # the first step of the loop curriculum (`loops_at`) at R loops: after ceil((R − start) / increment) rises
@@ -118,8 +130,9 @@ def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
 def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loops: int, step: int,
                     grads: dict[str, float]) -> dict:
     """A "dynamics" metrics record: per-loop modulation magnitudes, update sizes, read-out loss / accuracy and
-    settle loops on `batch` (in eval mode: no dropout, no RNG drawn, so training is unchanged), and the gradient
-    norm of every parameter group at this step."""
+    settle loops on `batch` (in eval mode: no dropout, no RNG drawn, so training is unchanged), the gradient
+    norm of every parameter group at this step, and per loop the norm of the final loss's gradient with respect to
+    the state after that loop ("state_grad": which loops carry the gradient)."""
     raw = unwrap(model)
     # bound the per-loop read-outs [R,b,T,C] to ~1.5e8 elements: fewer rows, and for causal models fewer positions
     x, y, w = batch["inputs"], batch["targets"], batch.get("weight")
@@ -137,6 +150,7 @@ def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loop
     settle = summarize_settle(dyn.pop("settle"), loops)
     rec.update({f"loop_{k}" if k != "update" else k: v for k, v in dyn.items()})
     rec.update({k: v for k, v in settle.items() if k != "settle_hist"})
+    rec["state_grad"] = state_grad_norms(raw, x, y, loops=loops, weight=w, ignore_index=IGNORE)
     return rec
 
 
@@ -282,9 +296,14 @@ class Trainer:
         if self.d.active:
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.d.device] if self.d.device.type == "cuda" else None)
-        self.compiled = torch.compile(self._forward_loss, mode=self.cfg.train.compile_mode) \
-            if compiles(self.cfg, self.d.device, self.total) else None
-        if self.compiled is not None and self.cfg.threads:
+        self.compiled, self.regional = None, False
+        if compiles(self.cfg, self.d.device, self.total):
+            if step_scope(self.cfg) == "block":  # regional: each layer of the shared block (`train/compiling.py`)
+                compile_block(self.model, self.cfg.train.compile_mode)
+                self.regional = True
+            else:
+                self.compiled = torch.compile(self._forward_loss, mode=self.cfg.train.compile_mode)
+        if (self.compiled is not None or self.regional) and self.cfg.threads:
             import torch._inductor.config as inductor   # heavy: only when compiling
             inductor.compile_threads = self.cfg.threads  # the compiler's worker pool keeps to the thread budget
         self.compile_s = 0.0
@@ -297,19 +316,24 @@ class Trainer:
         shorter steps stay eager: each loop count would be a graph of its own). With train.compile=auto a
         compilation that fails falls back to eager with one warning."""
         args = (x, state, offset, at, targets, weight, R, return_all, read_loops, n_read, row_loops, read_only)
-        if self.compiled is None or R != self.cfg.model.loops:
+        if self.regional:                        # the block's layers compiled: every loop count runs them
+            fn = self._forward_loss
+        elif self.compiled is None or R != self.cfg.model.loops:
             return self._forward_loss(*args)
+        else:
+            fn = self.compiled
         if self.compile_s:
-            return self.compiled(*args)
+            return fn(*args)
         t0 = time.perf_counter()
         try:
-            out = self.compiled(*args)
+            out = fn(*args)
         except Exception as exc:                 # noqa: BLE001 - any compiler failure: auto falls back
             if self.cfg.train.compile != "auto":
                 raise
             print(f"loopformer: compiling the training step failed, training eagerly ({configio.one_line(exc)})",
                   file=sys.stderr)
-            self.compiled = None
+            self.compiled, self.regional = None, False
+            uncompile_block(self.model)
             return self._forward_loss(*args)
         self.compile_s = time.perf_counter() - t0
         return out
@@ -498,7 +522,8 @@ class Trainer:
 
     def log_dynamics(self, done: int) -> None:
         if self.d.main:
-            self.log.write(dynamics_record(self.model, self.last_micro, self.loops, done, self.dyn_grads))
+            with eager(self.model):             # measurements run eagerly (other shapes, eval mode)
+                self.log.write(dynamics_record(self.model, self.last_micro, self.loops, done, self.dyn_grads))
 
     # ------------------------------------------------------------------ evaluation, checkpoints, results
     def check_finite(self, step: int) -> None:
@@ -517,7 +542,8 @@ class Trainer:
         self.check_finite(step)
         if self.d.main:
             kw = dict(loopwise=final, device=self.d.device, autocast=self.autocast)
-            res = evaluate_all(self.model, self.data, cfg.eval, extras=final, **kw)
+            with eager(self.model):              # evaluation runs eagerly (a compiled block: other shapes)
+                res = evaluate_all(self.model, self.data, cfg.eval, extras=final, **kw)
             rec = {"split": "test", "step": step, "loops": res["loops"], **res["metrics"]}
             if self.ema is not None:
                 res_ema = evaluate_all(self.ema.module, self.data, cfg.eval, extras=False, **kw)
@@ -544,13 +570,15 @@ class Trainer:
         """results.json (rank 0) from the final evaluation; every process returns it."""
         cfg, d, tc, results = self.cfg, self.d, self.cfg.train, None
         if d.main:
-            halting, budgets, sweep = (final.get(k) for k in ("halting", "budgets", "halting_sweep"))
+            halting, budgets, sweep, drift = (final.get(k) for k in ("halting", "budgets", "halting_sweep", "drift"))
             results = run.write_results(self.run_dir, {
                 "name": cfg.name, "task": self.data.describe(), "variant": cfg.model.variant,
                 "loops": cfg.model.loops, "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep,
                 "d_model": cfg.model.d_model, "params": unwrap(self.model).num_params(), "steps": self.total,
                 "batch_size": self.B, "train_time_s": self.train_time,
-                "compiled": self.compiled is not None, "compile_s": self.compile_s, "metric": final["metric"],
+                "compiled": self.compiled is not None or self.regional,
+                "compile_scope": "block" if self.regional else "step" if self.compiled is not None else None,
+                "compile_s": self.compile_s, "metric": final["metric"],
                 "higher_is_better": final["higher_is_better"], "test": final["metrics"],
                 "loopwise": final["loopwise"], "max_loops": final["max_loops"], "world_size": d.world,
                 "device": str(d.device), "seed": cfg.seed, "supervision_steps": cfg.model.supervision_steps,
@@ -560,6 +588,7 @@ class Trainer:
                 **({"halting": halting} if halting else {}),
                 **({"budgets": budgets} if budgets else {}),
                 **({"halting_sweep": sweep} if sweep else {}),
+                **({"drift": drift} if drift else {}),
                 **({"loops_sample": {"kind": tc.loops_sample, "per": tc.loops_sample_per,
                                      "range": list(budget_range(tc, cfg.model.loops))}}
                    if tc.samples_budgets else {}),
