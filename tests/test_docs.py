@@ -43,3 +43,55 @@ def test_readme_links_point_at_files():
             assert (ROOT / link).exists(), link
     assert len(text.splitlines()) <= 200
     assert text.splitlines()[3] == "bash scripts/demo.sh    # set up .venv and run the main job"
+
+
+def _readme_block(lang: str, after: str) -> str:
+    """The first ```lang block of the README after the heading line `after`."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(after)
+    m = re.search(rf"```{lang}\n(.*?)```", text[start:], flags=re.S)
+    assert m, (lang, after)
+    return m.group(1)
+
+
+def test_readme_python_block_runs(tmp_path, monkeypatch):
+    """The README's Python block as written (in a temporary folder: it writes a checkpoint), and its shapes."""
+    monkeypatch.chdir(tmp_path)
+    code = _readme_block("python", "## Python")
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)                     # noqa: S102 - the README's own code
+    assert tuple(ns["out"].logits.shape) == (4, 20, 32) and tuple(ns["out"].all_logits.shape) == (8, 4, 20, 32)
+    assert "[4, 20, 32], [8, 4, 20, 32]" in code                     # the shapes the README states
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file() and not ns["model"].training
+
+
+TINY_RUN = ["train.steps=2", "task.n_train=64", "task.n_test=16", "train.compile=false", "log.tensorboard=false",
+            "eval.batch_size=16"]
+
+
+def test_readme_quick_start_runs_at_tiny_scale(tmp_path, monkeypatch, capsys):
+    """Every command of the README's quick start, in order, with the training runs cut to two steps on a few rows
+    and the reproduction as a dry run (the commands, configs and flags as the README gives them)."""
+    import shlex
+
+    from loopformer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    block = _readme_block("bash", "## Quick start").replace("\\\n", " ")
+    commands = [c.split("#")[0].strip() for line in block.splitlines() for c in line.split("&&")]
+    commands = [c for c in commands if c]
+    assert [c.split()[1] for c in commands] == ["train", "eval", "reproduce", "text", "train", "generate"]
+    for cmd in commands:
+        argv = shlex.split(cmd)[1:]
+        if argv[0] == "train":
+            argv += TINY_RUN
+        elif argv[0] == "reproduce":
+            argv += ["--dry-run"]
+        elif argv[0] == "text":
+            argv += ["--quiet"]
+        elif argv[0] == "generate":
+            argv += ["--seed", "0"]
+        assert main(argv) == 0, cmd
+    out = capsys.readouterr().out
+    assert "loop-wise" in out and (tmp_path / "runs" / "lm" / "results.json").is_file()
