@@ -12,7 +12,8 @@
 #                                                      #   shipped recipe: looped and TMLT, seeds 0-4 (10 runs of
 #                                                      #   4,000 steps, ~15 min each on one core)
 #   bash studies/stability/stability_study.sh screen-pointer     # each stabiliser alone on pointer chasing at r = 32, looped,
-#   bash studies/stability/stability_study.sh screen-schedule    #   seeds 0-1 (SCREENS below; ~13 min / ~5 min a run)
+#   bash studies/stability/stability_study.sh screen-schedule    #   seeds 0-1 (SCREENS below; ~17 min / ~8 min a run);
+#                                                      #   SCREEN_SEEDS=1 ONLY="recipe sandwich": some of them
 #   bash studies/stability/stability_study.sh collect            # tables and compact results into studies/stability/
 # Cost on 2 CPU cores: two runs at a time ($JOBS), one thread each.
 set -euo pipefail
@@ -29,6 +30,7 @@ baseline() {
 
 # the screened stabilisers: name and overrides (docs/stability.md says what each is)
 SCREENS=(
+  "recipe:"
   "noise-start:model.start_state=noise model.start_noise=1.0"
   "state-noise:model.state_noise=0.05"
   "scale-rsqrt:model.loop_scale=rsqrt"
@@ -40,14 +42,16 @@ SCREENS=(
   "fixed-point-loss:train.fixed_point=0.1"
   "truncated-bptt:model.grad_loops=16"
 )
-# screen CONFIG: every entry of SCREENS as its own sweep, looped, seeds 0-1
+# screen CONFIG: every entry of SCREENS ("recipe": the shipped recipe itself, on the same code and seeds) as its
+# own sweep, looped, seeds $SCREEN_SEEDS (default 0,1); $ONLY: the entries to run (names, space-separated)
 screen() {
   local entry name
   for entry in "${SCREENS[@]}"; do
     name=${entry%%:*}
+    [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $name "* ]] || continue
     # shellcheck disable=SC2086
     "$LF" sweep "configs/cpu/$1.yaml" model.loops=32 eval.max_loops=128 ${entry#*:} \
-      --grid seed=0,1 --out "$STUDY/screen-$1-$name" "${SW[@]}"
+      --grid seed="${SCREEN_SEEDS:-0,1}" --out "$STUDY/screen-$1-$name" "${SW[@]}"
   done
 }
 

@@ -1,7 +1,9 @@
 """The stability study's tables (docs/stability.md) from the compact results that
 `bash studies/stability/stability_study.sh collect` copies: per stage, every run's exact-match accuracy at r, 2r and
-4r, its best loop, the verdict of the drift thresholds (loopformer.eval.drift) on the accuracy ("not learned" below
-50 % at r), and its training time; then per variant the median [min–max] over seeds and the seeds reaching 95 % at r.
+4r, its best loop, the drift verdict (loopformer.eval.drift: from results.json's "drift" where the run recorded it,
+with the state change at 4r and the spectral radius of the loop map; else from the accuracy alone; "not learned"
+below 50 % at r), its training time and peak memory; then per variant the median [min–max] over seeds and the seeds
+reaching 95 % at r.
 
     python studies/stability/stability_summary.py studies/stability       # prints markdown
 """
@@ -35,9 +37,14 @@ def rows(stage: Path) -> list[dict]:
             continue
         acc = {"r": curve[r - 1], "2r": curve[2 * r - 1], "4r": curve[4 * r - 1]}
         best = max(range(len(curve)), key=curve.__getitem__)
+        drift = d.get("drift") or {}
+        verdict = drift.get("verdict") or _verdict(acc)
         out.append({"run": f.parent.name, "variant": d["variant"], "seed": d["seed"], "r": r, **acc,
                     "best": curve[best], "best_t": best + 1, "time_min": d["train_time_s"] / 60,
-                    "verdict": _verdict(acc) if acc["r"] >= 0.5 else "not learned"})
+                    "change_4r": drift["state_change"][4 * r - 1] if drift else None,
+                    "rho": drift["spectral_radius"]["median"] if drift else None,
+                    "mem_mb": (d.get("peak_memory_mb") or {}).get("host"),
+                    "verdict": verdict if acc["r"] >= 0.5 else "not learned"})
     return out
 
 
@@ -45,12 +52,17 @@ def table(stage: Path) -> str:
     rs = rows(stage)
     if not rs:
         return f"## {stage.name}\n\n(no finished runs)\n"
-    lines = [f"## {stage.name}", "", "| variant | seed | at r | at 2r | at 4r | best (t) | verdict | train min |",
-             "|---|---:|---:|---:|---:|---|---|---:|"]
+    def num(v, fmt):
+        return "—" if v is None else format(v, fmt)
+
+    lines = [f"## {stage.name}", "", "| variant | seed | at r | at 2r | at 4r | best (t) | verdict "
+             "| state change at 4r | ρ at r | train min | peak MiB |",
+             "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for x in sorted(rs, key=lambda x: (x["variant"], x["seed"])):
         lines.append(f"| {x['variant']} | {x['seed']} | {100 * x['r']:.1f} | {100 * x['2r']:.1f} | "
                      f"{100 * x['4r']:.1f} | {100 * x['best']:.1f} ({x['best_t']}) | {x['verdict']} | "
-                     f"{x['time_min']:.1f} |")
+                     f"{num(x['change_4r'], '.2g')} | {num(x['rho'], '.3f')} | {x['time_min']:.1f} | "
+                     f"{num(x['mem_mb'], '.0f')} |")
     lines += ["", "| variant | seeds | at r: median [min–max] | at 4r: median [min–max] | ≥ 95 % at r | settling |",
               "|---|---:|---|---|---:|---:|"]
     for v in sorted({x["variant"] for x in rs}):
