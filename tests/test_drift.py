@@ -114,6 +114,7 @@ def test_runs_record_drift_and_per_loop_state_gradients(tmp_path):
     assert d["at"]["2r"] == res["loopwise"][5][d["metric"]]          # the loop-wise curve, reused up to 2r
     on_disk = json.loads((run / "results.json").read_text())
     assert on_disk["drift"]["verdict"] == d["verdict"]
+    assert on_disk["peak_memory_mb"]["host"] > 10                   # this process's peak resident set (MiB)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     dyn = [r for r in recs if r["split"] == "dynamics"]
     assert dyn and all(len(r["state_grad"]) == 3 and all(g >= 0 for g in r["state_grad"]) for r in dyn)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from loopformer.errors import UserError
+from loopformer.model.fixedpoint import check as check_fixed_point
 from loopformer.model.stability import check as check_stabilisers
 
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
@@ -80,6 +81,13 @@ class ModelConfig:
                                       # "layerscale" (a learned vector per branch, started at layerscale_init)
     layerscale_init: float = 0.1
     sandwich_norm: bool = False       # an RMSNorm on each branch's output too (norms on both sides of the branch)
+    # the fixed-point mode (loopformer.model.fixedpoint; docs/stability.md): solve h* = TF(h* + e, r − 1)
+    solver: str = "unroll"            # "unroll" (the loop as written) | "anderson" | "broyden" (needs input_injection)
+    solver_tol: float = 1e-3          # stop when every row's ‖F(h) − h‖ / ‖F(h)‖ is at most this (0: max iterations)
+    solver_max_iter: int = 0          # the most applications of the block per solve (0: the call's loops)
+    solver_backward: str = "bptt"     # "bptt" (unroll only) | "implicit" (implicit differentiation, adjoint solved
+                                      # by the solver) | "phantom:k" or "phantom:k:λ" (k damped steps from the
+                                      # detached solution)
     # deep supervision (loopformer.model.recursion): `supervision_steps` steps of `loops` loops each, every step
     # starting from the previous one's (detached) hidden state with its own loss; inference runs them as one pass
     # of supervision_steps × loops loops
@@ -129,6 +137,7 @@ class ModelConfig:
                  f"pos_factors: every factor needs a non-negative index for each of the max_len={self.max_len} "
                  f"positions (got {len(f)} entries)")
         check_stabilisers(self)
+        check_fixed_point(self)
         need(self.activation in _ACTIVATIONS, f"activation must be one of {_ACTIVATIONS} (got {self.activation!r})")
         need(self.norm in ("rms", "none"), f"norm must be 'rms' or 'none' (got {self.norm!r})")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1) (got {self.dropout})")

@@ -8,6 +8,8 @@
                   e: one supervision step of deep supervision (`loopformer.model.recursion`)
     stabilisers   the start state, state noise in training, the branches' scale, sandwich norms
                   (`loopformer.model.stability`): off by default
+    fixed point   solver="anderson" | "broyden": h* = TF(h* + e, r − 1) solved instead of unrolled, with an implicit or
+                  phantom gradient (`loopformer.model.fixedpoint`): off by default
     budgets       timestep_time="normalized": the block reads the time t / R of a run of R loops and its step 1 / R
                   (a budget-aware model); forward(x, row_loops=[B]) runs every row with a loop count of its own
 
@@ -18,7 +20,7 @@ Annotations here are evaluated (no `from __future__ import annotations`): the Hu
 `config: ModelConfig` from `__init__` to rebuild the config from a checkpoint's config.json in `from_pretrained`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -28,12 +30,13 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch.utils.checkpoint import checkpoint
 
 from loopformer.errors import UserError
+from loopformer.model.cache import DepthwiseKV, KVCache, RunningKV
 from loopformer.model.config import ModelConfig
 from loopformer.model.diagnostics import is_timestep_param
+from loopformer.model.fixedpoint import SolveInfo, fixed_point, require_unroll
 from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, stops, update_streak
 from loopformer.model.heads import Embed, Head
-from loopformer.model.layers import (DepthwiseKV, KVCache, Modulation, RMSNorm, RunningKV, TimestepEmbedder,
-                                     make_layer)
+from loopformer.model.layers import Modulation, RMSNorm, TimestepEmbedder, make_layer
 from loopformer.model.stability import perturb, start_state
 
 
@@ -48,6 +51,7 @@ class LoopOutput:
     exit_loops: Optional[torch.Tensor] = None       # with a halting rule: the loop each row [B] (per token: [B,T])
                                                     # stopped after, 1..R
     all_stop_logits: Optional[torch.Tensor] = None  # [R,B,T] ... after every loop (with return_all)
+    solve: Optional[SolveInfo] = None               # the fixed-point mode: iterations and residual of the solve
 
 
 def unwrap(model: torch.nn.Module) -> "LoopedTransformer":
@@ -123,6 +127,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         cfg = self.config
         if not cfg.causal:
             raise UserError("a key/value cache needs a causal model")
+        require_unroll(cfg, "a key/value cache")
         p = next(self.parameters())
         cache = KVCache((loops or cfg.loops) * cfg.n_layers, batch_size, cfg.n_heads, max_len or cfg.max_len,
                         cfg.hd, p.dtype, p.device)
@@ -213,6 +218,9 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         past = cache.length if cache is not None else 0
         mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
+        if cfg.solver != "unroll":                   # the fixed-point mode: h* = TF(h* + e, r − 1), no unrolled loop
+            h, states, solved = fixed_point(self, e, mask, state, R, return_all, row_loops)
+            return replace(self._read_out(h, states, attn_mask, solved.iters, read_at, read_loops), solve=solved)
         mods = self._loop_modulations(R, x.device, cache, loop_offset,                 # [R,k,4,D] | None
                                       row_loops if row_loops is not None and budget is None else budget,
                                       prepared=True)
@@ -261,6 +269,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         same policy.  Returns `exit_loops` [B] (per token [B,T]); `loops` is the most loops any row ran.
         """
         cfg = self.config
+        require_unroll(cfg, "halting (adaptive depth)")
         rule = HaltRule.parse(halt) if isinstance(halt, str) else halt
         per_token = cfg.causal if per_token is None else per_token
         if per_token and not cfg.causal:
@@ -456,7 +465,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             mod = None if mods_t is None else mods_t[i]
             if at is not None and i == k - 1:
                 return blk.forward_at(h, at, mod, mask)
-            h = blk(h, mod, mask, cache, t * k + i)
+            h = blk(h, mod, mask, cache, t * k + i if cache is not None else 0)   # the slot: a cache's only
         return h
 
     def _read_out(self, h: torch.Tensor, states: Optional[list[torch.Tensor]], attn_mask: Optional[torch.Tensor],

@@ -14,7 +14,7 @@ are discarded).
 Adaptive depth (`SamplingConfig.halt`, e.g. "kl:1e-3"): every token loops until the rule says it is done (at most
 R loops). A token that stops at loop t computes no keys/values for loops t+1..R; its cache slots for those loops hold
 its deepest computed loop's keys/values (the policy of Huginn's per-token exits), and later tokens read them there
-(`loopformer.model.layers.RunningKV`). A recomputation without the cache follows the same policy, so cached and
+(`loopformer.model.cache.RunningKV`). A recomputation without the cache follows the same policy, so cached and
 recomputed generation agree. Rows whose new token has stopped leave the batch for the remaining loops.
 
 Depth-wise batching (`SamplingConfig.schedule="depthwise"`, the default with a halting rule and the cache): after
@@ -24,7 +24,7 @@ batch stays full and a token costs its own loops, not the slowest row's (`Looped
 token sees the same keys and values as in the step-by-step schedule ("step"), so greedy decoding gives the same
 tokens; with sampling the rows draw from the generator in another order. A token's keys and values are written
 through to the slots of every later loop as it computes them, so when it stops those slots already hold its deepest
-loop's (`loopformer.model.layers.DepthwiseKV`). A single prompt (nothing to regroup) and `return_logits` use the
+loop's (`loopformer.model.cache.DepthwiseKV`). A single prompt (nothing to regroup) and `return_logits` use the
 step schedule. A tick is a few dozen small operations whatever the width, so on a CPU with narrow models its
 per-operation cost can outweigh the loops the exits save; `SamplingConfig.compile` runs the tick's model part
 (`_tick`) under torch.compile (one graph per batch size and cache length, compiled in seconds on first use, the

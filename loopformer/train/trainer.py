@@ -40,6 +40,7 @@ from loopformer.eval.run import evaluate_all
 from loopformer.fileio import can_compile
 from loopformer.model.diagnostics import (grad_norms, loop_dynamics, modulation_stats, state_grad_norms,
                                          summarize_settle)
+from loopformer.model.fixedpoint import solve_record
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
 from loopformer.model.memory import check_fits, estimate
@@ -114,6 +115,8 @@ def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
     COMPILE_MIN_STEPS steps run compiled — every step when the block is compiled (`step_scope`), else the steps at
     the final loop count (after any loop curriculum; none with drawn budgets) — on a CUDA device with Triton or on a
     CPU with a C++ compiler (what torch.compile's code generation needs)."""
+    if cfg.model.solver != "unroll":         # the fixed-point mode stops on data and solves inside its backward
+        return False
     mode = cfg.train.compile
     if mode != "auto":
         return mode == "true"
@@ -125,6 +128,21 @@ def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
     # the first step of the loop curriculum (`loops_at`) at R loops: after ceil((R − start) / increment) rises
     first = 0 if tc.loops_start <= 0 else -(-max(0, R - tc.loops_start) // tc.loops_increment) * tc.loops_every
     return total - first >= COMPILE_MIN_STEPS and can_compile(device)
+
+
+def peak_memory_mb(device: torch.device) -> dict[str, float]:
+    """This process's peak memory so far, in MiB: the host's resident set ("host", where the OS reports it) and the
+    CUDA allocator's peak ("cuda") on a GPU."""
+    out: dict[str, float] = {}
+    try:
+        import resource                          # POSIX only
+        kib = 2**10 if sys.platform == "darwin" else 1      # ru_maxrss: bytes on macOS, KiB elsewhere
+        out["host"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib / 2**10
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
 
 
 def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loops: int, step: int,
@@ -505,6 +523,7 @@ class Trainer:
                "train_time": self.train_time}
         if self.data.classifies:
             rec["accuracy"] = correct / max(count, 1.0)
+        rec.update(solve_record(self.model))    # the fixed-point mode: the window's last solve (iterations, residual)
         if not math.isfinite(rec["loss"]):
             raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
                             f"checkpoint is kept (lower train.lr or enable train.grad_clip)")
@@ -578,7 +597,7 @@ class Trainer:
                 "batch_size": self.B, "train_time_s": self.train_time,
                 "compiled": self.compiled is not None or self.regional,
                 "compile_scope": "block" if self.regional else "step" if self.compiled is not None else None,
-                "compile_s": self.compile_s, "metric": final["metric"],
+                "compile_s": self.compile_s, "peak_memory_mb": peak_memory_mb(d.device), "metric": final["metric"],
                 "higher_is_better": final["higher_is_better"], "test": final["metrics"],
                 "loopwise": final["loopwise"], "max_loops": final["max_loops"], "world_size": d.world,
                 "device": str(d.device), "seed": cfg.seed, "supervision_steps": cfg.model.supervision_steps,
