@@ -39,6 +39,7 @@ SCREENS=(
   "sandwich:model.sandwich_norm=true"
   "stablemax:train.loss=stablemax"
   "loop-sampling:train.loops_start=0 train.loops_sample=uniform train.loops_min=16 train.loops_max=48"
+  "hold:train.loops_start=0 train.loops_sample=uniform train.loops_min=32 train.loops_max=48"
   "fixed-point-loss:train.fixed_point=0.1"
   "truncated-bptt:model.grad_loops=16"
 )
