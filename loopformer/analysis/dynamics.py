@@ -35,9 +35,10 @@ from loopformer.errors import UserError
 from loopformer.eval.drift import drift_report, drift_table
 from loopformer.eval.evaluate import evaluate
 from loopformer.fileio import pick_device, write_figure, write_json, write_text
-from loopformer.model.diagnostics import (PARAM_GROUPS, fixed_modulation, loop_dynamics, modulation_ablations,
+from loopformer.model.diagnostics import (fixed_modulation, loop_dynamics, modulation_ablations,
                                           modulation_stats, summarize_settle)
 from loopformer.model.io import CONFIG, load, read_config, resolve_checkpoint
+from loopformer.model.layers import PARAM_GROUPS
 from loopformer.sources import DataSource, TaskConfig, make_data
 from loopformer.tasks import IGNORE
 from loopformer.train.run import CKPT_DIR, METRICS_FILE, read_metrics

@@ -28,26 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-PARAM_GROUPS = ("embedding", "block", "timestep", "modulation", "head")
+from loopformer.model.layers import PARAM_GROUPS, param_group
 
-
-def param_group(name: str) -> str:
-    """The group of a parameter of `LoopedTransformer` by its name (see PARAM_GROUPS)."""
-    parts = name.split(".")
-    if parts[0] == "timestep":
-        return "timestep"
-    if "modulation" in parts:
-        return "modulation"
-    if parts[0] == "blocks":
-        return "block"
-    if parts[0] == "embed":
-        return "embedding"
-    return "head"   # head.proj, norm_f
-
-
-def is_timestep_param(name: str) -> bool:
-    """The TMLT parameters: the timestep embedder TE(t) and each layer's modulation W5, b5."""
-    return param_group(name) in ("timestep", "modulation")
 
 
 def grad_norms(model: torch.nn.Module) -> dict[str, float]:

@@ -286,6 +286,29 @@ def make_layer(cfg: ModelConfig) -> Layer:
     return AuthorsLoopedLayer(cfg) if cfg.compat == "authors" and not cfg.timestep else Layer(cfg)
 
 
+# ------------------------------------------------------------------ parameter groups
+PARAM_GROUPS = ("embedding", "block", "timestep", "modulation", "head")   # what each parameter of the model belongs to
+
+
+def param_group(name: str) -> str:
+    """The group of a parameter of `LoopedTransformer` by its name (see PARAM_GROUPS)."""
+    parts = name.split(".")
+    if parts[0] == "timestep":
+        return "timestep"
+    if "modulation" in parts:
+        return "modulation"
+    if parts[0] == "blocks":
+        return "block"
+    if parts[0] == "embed":
+        return "embedding"
+    return "head"   # head.proj, norm_f
+
+
+def is_timestep_param(name: str) -> bool:
+    """The TMLT parameters: the timestep embedder TE(t) and each layer's modulation W5, b5."""
+    return param_group(name) in ("timestep", "modulation")
+
+
 def timestep_features(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
     """PE(t): [cos(t·f_i), sin(t·f_i)] with f_i = max_period^(-i/(dim/2)), i < dim/2.  t: [...] -> [..., dim]
     (t may be fractional: the normalised time of a budget-aware model)."""

@@ -32,11 +32,10 @@ from torch.utils.checkpoint import checkpoint
 from loopformer.errors import UserError
 from loopformer.model.cache import DepthwiseKV, KVCache, RunningKV
 from loopformer.model.config import ModelConfig
-from loopformer.model.diagnostics import is_timestep_param
 from loopformer.model.fixedpoint import SolveInfo, fixed_point, require_unroll
 from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, stops, update_streak
 from loopformer.model.heads import Embed, Head
-from loopformer.model.layers import Modulation, RMSNorm, TimestepEmbedder, make_layer
+from loopformer.model.layers import Modulation, RMSNorm, TimestepEmbedder, is_timestep_param, make_layer
 from loopformer.model.stability import perturb, start_state
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from loopformer.errors import UserError
-from loopformer.model.diagnostics import is_timestep_param
+from loopformer.model.layers import is_timestep_param
 from loopformer.train.config import TrainConfig
 
 
