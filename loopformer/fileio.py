@@ -5,11 +5,16 @@ Atomic writes: the content goes to a hidden temporary name next to its destinati
 into place (`os.replace`), so a reader never sees a half-written file and a failure leaves nothing behind. A folder
 is written the same way (`new_folder`); one that replaces an existing folder is swapped in with two renames: the old
 folder is first renamed aside (`.NAME.old-*`) and deleted after the swap (`replace_dir`).
+
+Owned folders: a command writes only into a folder it made or one holding its own marker file (`foreign_entries`,
+`check_owned_folder`); lock and log files are opened without following a symbolic link (`open_nofollow`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fnmatch
 import importlib.util
 import json
 import math
@@ -17,7 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 
@@ -70,9 +75,24 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: Optional[int] = 2, 
     return write_text(path, json.dumps(finite_or_none(obj), indent=indent, **dumps) + "\n")
 
 
+FIGURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
+
+
+def check_figure_path(path: str | os.PathLike) -> str:
+    """The image format of the figure file `path` (its extension; none: png), or a UserError for an extension that
+    is no image format or a missing folder — checked before the work that draws it."""
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    if fmt not in FIGURE_FORMATS:
+        raise UserError(f"cannot draw a figure into {path}: .{fmt} is no image format (use one of "
+                        f"{', '.join('.' + f for f in FIGURE_FORMATS)})")
+    if not Path(path).resolve().parent.is_dir():
+        raise UserError(f"cannot draw a figure into {path}: the folder {Path(path).parent} does not exist")
+    return fmt
+
+
 def write_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
     """Atomically save a matplotlib figure; the format is the extension of `path` (e.g. .png)."""
-    fmt = Path(path).suffix.lstrip(".") or "png"
+    fmt = check_figure_path(path)
     return write_with(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=fmt))
 
 
@@ -98,12 +118,79 @@ def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
     DEST (`replace_dir`), otherwise it is deleted and DEST is left as it was."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
     try:
         yield tmp
         replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def owner_dead(path: str | os.PathLike, prefix: str) -> bool:
+    """Whether the hidden temporary `path`, named PREFIX<pid>-..., was left by a process that no longer runs."""
+    pid = Path(path).name[len(prefix):].split("-", 1)[0]
+    if not Path(path).name.startswith(prefix) or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):       # another user's process, or no such number
+        return False
+    return False
+
+
+def remove_stale_temps(folder: str | os.PathLike, prefix: str) -> None:
+    """Delete the temporary folders PREFIX<pid>-* in `folder` whose writer no longer runs (killed mid-write)."""
+    folder = Path(folder)
+    if folder.is_dir():
+        for p in folder.iterdir():
+            if p.is_dir() and not p.is_symlink() and owner_dead(p, prefix):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------- owned folders
+def foreign_entries(folder: str | os.PathLike, ours: Collection[str], marker: str, always: Collection[str] = ()
+                    ) -> list[str]:
+    """The names in `folder` that a command writing the entries `ours` (names or fnmatch patterns) did not write.
+
+    A command writes only into a folder it made or one that holds its own `marker` file (a regular file, not a
+    link): in a folder holding the marker every name outside `ours` is foreign, in any other folder every name
+    (but `always`). A symbolic link is always foreign (no command writes one); the hidden temporary names of the
+    atomic writes of `ours` (`.NAME.tmp-*`, `.NAME.old-*`) never are."""
+    folder = Path(folder)
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    mark = folder / marker
+    allowed = list(always) + (list(ours) if mark.is_file() and not mark.is_symlink() else [])
+    hidden = [f".{n}.*" for n in ours]
+    return sorted(p.name for p in folder.iterdir()
+                  if p.is_symlink() or not any(fnmatch.fnmatchcase(p.name, pat) for pat in allowed + hidden))
+
+
+def check_owned_folder(folder: str | os.PathLike, ours: Collection[str], marker: str, what: str,
+                       always: Collection[str] = (), hint: str = "choose an empty or new folder") -> Path:
+    """`folder` if `what` (a command) may write into it: missing, empty, or holding only what it wrote
+    (`foreign_entries`); otherwise a one-line UserError naming what is in the way (the user's files are never
+    replaced, not even with --force / --overwrite: those replace only what the command wrote)."""
+    folder = Path(folder)
+    if folder.is_symlink() or (os.path.lexists(folder) and not folder.is_dir()):
+        raise UserError(f"{folder} exists and is not a folder {what} wrote (a file or a link); {hint}")
+    foreign = foreign_entries(folder, ours, marker, always)
+    if foreign:
+        raise UserError(f"{folder} holds files {what} does not write ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}); {hint}")
+    return folder
+
+
+def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """`os.open(path, flags)` refusing a symbolic link at `path` (a lock or log file: its target would be written)."""
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise UserError(f"{path} is a symbolic link; refusing to write through it (remove it)") from None
         raise
 
 
@@ -163,5 +250,7 @@ def can_compile(device: torch.device) -> bool:
                                                                       "clang++"))
 
 
-__all__ = ["temp_path", "write_with", "write_text", "write_json", "write_figure", "replace_dir", "new_folder",
+__all__ = ["temp_path", "write_with", "write_text", "write_json", "write_figure", "check_figure_path", "replace_dir",
+           "new_folder",
+           "foreign_entries", "check_owned_folder", "open_nofollow", "owner_dead", "remove_stale_temps",
            "read_manifest", "check_device", "pick_device", "can_compile", "DEVICES"]

@@ -79,8 +79,8 @@ class ContinuityConfig:
     def __post_init__(self) -> None:
         if self.samples < 1 or self.length < 2:
             raise UserError("continuity needs samples >= 1 and length >= 2")
-        if not self.scales or any(s <= 0 for s in self.scales) or not self.loopwise_scale > 0:
-            raise UserError("noise scales must be positive")
+        if not self.scales or not all(0 < s < math.inf for s in [*self.scales, self.loopwise_scale]):
+            raise UserError("noise scales must be positive finite numbers")
         if self.power_iters < 0 or self.moduli_samples < 0 or self.moduli_steps < 0:
             raise UserError("power_iters, moduli_samples and moduli_steps must be >= 0")
 
@@ -449,8 +449,8 @@ def plot(reports: dict[str, ContinuityReport], path: str | os.PathLike) -> None:
             if kind == "sequence" and rep.jacobian is not None:
                 ax.axhline(rep.jacobian.mean, color=c, ls=":", lw=1.5)
         ax.set_xscale("log")
-        values = [y for line in ax.get_lines() for y in line.get_ydata()]
-        if values and min(values) > 0:
+        values = [float(y) for line in ax.get_lines() for y in line.get_ydata()]
+        if values and all(math.isfinite(y) and y > 0 for y in values):    # a log scale of zeros or NaN fails
             ax.set_yscale("log")
         ax.set_xlabel("relative noise scale ρ")
         ax.set_title(f"{kind} continuity")

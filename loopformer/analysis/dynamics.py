@@ -246,6 +246,9 @@ def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 50
     model = load(p, device=dev)
     data = make_data(from_dict(TaskConfig, run["task"]))
     trained = model.config.loops
+    if max_loops and max_loops < trained:
+        raise UserError(f"max_loops={max_loops} is below the model's trained loops ({trained}): the dynamics are "
+                        f"measured at least up to r")
     R = max_loops or 2 * trained
     res = dynamics_of(model, data, loops=R, batch_size=batch_size, limit=limit, device=dev)
     ev = evaluate(model, data, loops=trained, max_loops=R, batch_size=batch_size, limit=limit, device=dev)

@@ -21,7 +21,7 @@ from loopformer.eval.drift import drift_table
 from loopformer.eval.run import EXTRAS, check_eval_config, evaluate_all
 from loopformer.model.memory import check_loops
 from loopformer.model.halting import CRITERIA, HaltRule
-from loopformer.fileio import pick_device, write_json
+from loopformer.fileio import check_figure_path, pick_device, write_json
 from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.sources import TaskConfig, make_data, model_fields, source_class
 
@@ -167,6 +167,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError("--plot draws the --halt-sweep or the --budgets; give one of them")
     if args.plot and sweep and args.budgets:
         raise UserError("--plot draws one figure: give --halt-sweep or --budgets, not both")
+    if args.plot:
+        check_figure_path(args.plot)
     res = evaluate_checkpoint(args.checkpoint, cfg, device=args.device, ema=args.ema, timestep_past=args.past_r,
                               data_dir=args.data,
                               task_opts=parse_options(args.task_opt, "--task-opt") if args.task_opt else None,

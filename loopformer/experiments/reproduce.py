@@ -35,7 +35,7 @@ from loopformer.errors import UserError
 from loopformer.experiments.claims import (Claim, Experiment, diff_label, load_registry, median_range, metric_value,
                                           select, verdict)
 from loopformer.experiments.sweep import RunSpec, run_specs
-from loopformer.fileio import write_figure, write_json, write_text
+from loopformer.fileio import check_owned_folder, write_figure, write_json, write_text
 from loopformer.sources import source_class
 from loopformer.train.config import load_run_config
 from loopformer.train.optim import steps_for
@@ -44,6 +44,8 @@ from loopformer.train.run import git_commit, read_results
 SECONDS_PER_UNIT = 1.2e-10   # one thread of a 2-core machine: a demo run (LCS-6, r = 8, 3,000 steps) took 144 s
 GPU_UNITS_PER_S = 1.0e14     # assumed sustained rate on one modern GPU (bf16), for --scale paper estimates
 THEORY_S = 60.0
+MAX_SEEDS = 100              # the most model seeds per arm `--seeds` takes
+EXPORTED = ("report.md", "report.json", "*.png", "runs")   # what `export` writes into its folder
 README_BEGIN, README_END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
 
 
@@ -354,8 +356,9 @@ def export(out: Path, dest: Path) -> Path:
     folder later makes those runs count as finished."""
     import shutil
 
+    check_owned_folder(dest, EXPORTED, "report.json", "reproduce --export")
     dest.mkdir(parents=True, exist_ok=True)
-    for f in [out / "report.md", out / "report.json", *out.glob("*.png"), *out.glob("runs/*/*/results.json"),
+    for f in [out / "report.json", out / "report.md", *out.glob("*.png"), *out.glob("runs/*/*/results.json"),
               *out.glob("runs/theory/*")]:
         if f.is_file():
             target = dest / f.relative_to(out)
@@ -374,8 +377,10 @@ def reproduce(claim_ids: Optional[list[str]] = None, *, quick: bool = False, see
     "files", "estimate", "ran"}; with `dry_run` (or --scale paper without CUDA) only the plan and estimate."""
     if scale not in ("cpu", "paper"):
         raise UserError(f"--scale must be cpu or paper (got {scale!r})")
-    if seeds is not None and seeds < 1:
-        raise UserError(f"--seeds must be >= 1 (got {seeds})")
+    if seeds is not None and not 1 <= seeds <= MAX_SEEDS:
+        raise UserError(f"--seeds must be in 1..{MAX_SEEDS} (got {seeds})")
+    if export_to:    # before any run: the export folder must be new, empty or an earlier export
+        check_owned_folder(export_to, EXPORTED, "report.json", "reproduce --export")
     if jobs < 1 or threads < 0:
         raise UserError("--jobs must be >= 1 and --threads >= 0")
     reg = load_registry(registry)

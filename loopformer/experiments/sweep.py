@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import math
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
+from loopformer.fileio import open_nofollow
 from loopformer.sources import source_class
 from loopformer.train.config import load_run_config
 from loopformer.train.optim import steps_for
@@ -39,6 +41,7 @@ from loopformer.train.run import load_for_resume, read_metrics, resumable
 from loopformer.train.trainer import train
 
 RUNS = "runs"
+MAX_RUNS = 10_000    # the most runs one sweep's grid may hold (checked before any run is listed)
 
 
 @dataclass
@@ -63,7 +66,14 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
         values = [v.strip() for v in vals.split(",") if v.strip()]
         if not key or not values:
             raise UserError(f"grid entry {item!r} needs a key and at least one value")
-        grid.append((key.strip(), values))
+        key = key.strip()
+        if any(k == key for k, _ in grid):
+            raise UserError(f"grid key {key!r} is given twice; give its values once ({key}=v1,v2,...)")
+        grid.append((key, values))
+    runs = math.prod(len(v) for _, v in grid)
+    if runs > MAX_RUNS:
+        raise UserError(f"the grid holds {runs:,} runs, more than a sweep takes ({MAX_RUNS:,}); split it into "
+                        f"smaller sweeps")
     return grid
 
 
@@ -223,7 +233,7 @@ def _run_parallel(config, todo: list[RunSpec], specs: list[RunSpec], overrides, 
         while queue or running:
             while queue and len(running) < jobs:
                 s = queue.pop(0)
-                fh = open(log_dir / f"{s.name}.log", "w")
+                fh = os.fdopen(open_nofollow(log_dir / f"{s.name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
                 proc = subprocess.Popen(_command(config, s, overrides, threads), stdout=fh, stderr=subprocess.STDOUT,
                                         env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                 running[s.name] = (proc, s, fh)

@@ -18,33 +18,55 @@ pre-norm before the MLP); `compat="authors"` in the config reproduces both forwa
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from loopformer.configio import one_line
 from loopformer.errors import UserError
+from loopformer.fileio import check_owned_folder
 from loopformer.model.config import ModelConfig
-from loopformer.model.io import save_checkpoint
+from loopformer.model.io import CONFIG, WEIGHTS, save_checkpoint
+from loopformer.model.memory import check_fits, param_count
 from loopformer.model.looped import LoopedTransformer
 
 SUPPORTED = ("lt", "tmlt")
 _ARGS = ("n_loop", "n_head", "n_embd", "block_size", "vocab_size")
 
 
+def _int_arg(model_args: dict, name: str) -> int:
+    v = model_args[name]
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point():
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise UserError(f"checkpoint model_args.{name} must be an integer (got {type(v).__name__} {str(v)[:40]!r})")
+    return v
+
+
 def config_from_args(model_args: dict, model_type: str) -> ModelConfig:
+    """The ModelConfig of the authors' `model_args`; a missing, non-integer or out-of-range value is a UserError."""
+    if not isinstance(model_args, dict):
+        raise UserError(f"checkpoint model_args must be a dict (got {type(model_args).__name__})")
     missing = [a for a in _ARGS if a not in model_args]
     if missing:
         raise UserError(f"checkpoint model_args lack {', '.join(missing)}")
-    return ModelConfig(
-        vocab_size=int(model_args["vocab_size"]), max_len=int(model_args["block_size"]),
-        d_model=int(model_args["n_embd"]), n_heads=int(model_args["n_head"]), n_layers=1,
-        loops=int(model_args["n_loop"]), bias=bool(model_args.get("bias", False)),
-        dropout=float(model_args.get("dropout", 0.0)), causal=True, tie_embeddings=True, norm_gain=False,
-        norm_eps=None, activation="gelu", timestep=model_type == "tmlt", compat="authors",
-        timestep_gate_init=0.0,   # their parametrisation (adaLN-Zero); initialisation only, the weights are loaded
-    )
+    args = {a: _int_arg(model_args, a) for a in _ARGS}
+    bias, dropout = model_args.get("bias", False), model_args.get("dropout", 0.0)
+    if not isinstance(bias, bool) or isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise UserError("checkpoint model_args.bias must be a boolean and model_args.dropout a number")
+    try:
+        return ModelConfig(
+            vocab_size=args["vocab_size"], max_len=args["block_size"], d_model=args["n_embd"],
+            n_heads=args["n_head"], n_layers=1, loops=args["n_loop"], bias=bias, dropout=float(dropout), causal=True,
+            tie_embeddings=True, norm_gain=False, norm_eps=None, activation="gelu", timestep=model_type == "tmlt",
+            compat="authors",
+            timestep_gate_init=0.0,   # their parametrisation (adaLN-Zero); initialisation only, the weights are loaded
+        )
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"checkpoint model_args do not describe a model loopformer builds: {one_line(exc)}") from None
 
 
 def convert_state_dict(sd: dict[str, torch.Tensor], model_type: str, bias: bool) -> dict[str, torch.Tensor]:
@@ -85,13 +107,29 @@ def from_authors(ckpt: dict[str, Any]) -> tuple[LoopedTransformer, dict]:
     """Build a loopformer model from the authors' checkpoint dict; returns (model, provenance info)."""
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UserError("not a looped-GPT checkpoint: expected a dict with 'model' and 'model_args'")
+    weights = ckpt["model"]
+    if not isinstance(weights, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in weights.items()):
+        raise UserError("not a looped-GPT checkpoint: its 'model' entry must map weight names to tensors (got "
+                        f"{type(weights).__name__})")
     run = ckpt.get("config") or {}
-    model_type = str(run.get("model_type", "tmlt" if any(k.startswith("adaLN") for k in ckpt["model"]) else "lt"))
+    if not isinstance(run, dict):
+        raise UserError(f"not a looped-GPT checkpoint: its 'config' entry must be a dict (got {type(run).__name__})")
+    model_type = str(run.get("model_type", "tmlt" if any(k.startswith("adaLN") for k in weights) else "lt"))
     if model_type not in SUPPORTED:
         raise UserError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
     cfg = config_from_args(ckpt["model_args"], model_type)
+    check_fits({"parameters": 4 * param_count(cfg)}, "cpu", "the converted model")   # before anything is built
+    with torch.device("meta"):             # the shapes the weights must have, nothing allocated
+        want = {k: tuple(v.shape) for k, v in LoopedTransformer(cfg).state_dict().items()}
+    sd = convert_state_dict(weights, model_type, cfg.bias)
+    for name, w in sd.items():
+        if name in want and tuple(w.shape) != want[name]:
+            raise UserError(f"checkpoint does not fit its model_args: {name} has shape {list(w.shape)}, model_args "
+                            f"ask for {list(want[name])}")
+        if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+            raise UserError(f"checkpoint weight {name} holds NaN or infinite values; refusing to convert it")
     model = LoopedTransformer(cfg)
-    sd = convert_state_dict(ckpt["model"], model_type, cfg.bias)
     sd["head.proj.weight"] = sd["embed.tok.weight"]
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
@@ -113,8 +151,26 @@ def read_authors_checkpoint(path: str | os.PathLike, trust_pickle: bool = False)
         raise UserError(f"cannot read {p}: {first[:200]}{hint}") from None
 
 
+def check_convert_out(out: str | os.PathLike) -> None:
+    """A UserError unless `out` is missing, empty or a checkpoint folder written by `convert` (its config.json
+    records `run.converted_from`)."""
+    what = "convert"
+    check_owned_folder(out, (WEIGHTS, CONFIG), CONFIG, what, hint="choose a new folder for the converted checkpoint")
+    cfg = Path(out) / CONFIG
+    if cfg.is_file():
+        try:
+            ours = "converted_from" in (json.loads(cfg.read_text()).get("run") or {})
+        except (ValueError, OSError, AttributeError, TypeError):
+            ours = False
+        if not ours:
+            raise UserError(f"{out} holds a checkpoint that convert did not write; choose a new folder for the "
+                            f"converted checkpoint")
+
+
 def convert_file(path: str | os.PathLike, out: str | os.PathLike, trust_pickle: bool = False) -> Path:
-    """`loopformer convert ckpt.pt --out DIR`: write a loopformer checkpoint folder."""
+    """`loopformer convert ckpt.pt --out DIR`: write a loopformer checkpoint folder. DIR must be new, empty or an
+    earlier conversion (`check_convert_out`): anything else in it is the user's and is never replaced."""
+    check_convert_out(out)
     ckpt = read_authors_checkpoint(path, trust_pickle)
     model, info = from_authors(ckpt)
     run = {k: v for k, v in (ckpt.get("config") or {}).items() if isinstance(v, (int, float, str, bool, type(None)))}

@@ -10,8 +10,9 @@
                             values only, loaded with `weights_only=True` (a file that needs anything else is
                             refused: unpickling arbitrary objects could run code)
 
-A folder is written next to its destination (`.NAME.tmp-*`) and renamed into place; an existing folder is first
-renamed aside (`.NAME.old-*`) and deleted after the swap, so a crash never leaves a half-written checkpoint. A
+A folder is written next to its destination (`.NAME.tmp-<pid>-*`, config.json last) and renamed into place; an
+existing folder is first renamed aside (`.NAME.old-*`) and deleted after the swap, so a crash never leaves a
+half-written checkpoint. A
 process killed between the two renames leaves no `NAME/` but complete hidden folders: `recover_checkpoint` puts
 the newest complete one back in place and deletes the leftovers. Loading is strict (missing or unexpected weights
 are errors) and a truncated or corrupt file is a one-line `UserError`.
@@ -19,6 +20,7 @@ are errors) and a truncated or corrupt file is a one-line `UserError`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -26,7 +28,7 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -34,7 +36,7 @@ from safetensors.torch import load_model, save_model
 
 from loopformer.configio import from_dict, to_dict
 from loopformer.errors import UserError
-from loopformer.fileio import new_folder
+from loopformer.fileio import new_folder, owner_dead
 from loopformer.model.config import ModelConfig
 from loopformer.model.looped import LoopedTransformer, unwrap
 from loopformer.model.memory import check_fits, param_count
@@ -129,8 +131,9 @@ def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
 
     If `path` is missing (a kill between the two renames of `loopformer.fileio.replace_dir`) or incomplete, the
     newest complete hidden folder of the swap is renamed into place. Leftovers are deleted: `.NAME.old-*` folders, and
-    `.NAME.tmp-*` folders untouched for STALE_S seconds (a younger one may be a running writer's; the next
-    `save_checkpoint` removes it). Returns `path` if a checkpoint is there afterwards, else None.
+    `.NAME.tmp-<pid>-*` folders of a process that no longer runs or untouched for STALE_S seconds (a younger one may
+    be a running writer's; the next `save_checkpoint` removes it). A folder is complete once its config.json, written
+    last, is whole. Returns `path` if a checkpoint is there afterwards, else None.
     """
     dest = Path(path)
     hidden = _hidden(dest)
@@ -149,9 +152,21 @@ def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
                 hidden.append(broken)
             os.replace(best[1], dest)
     for h in hidden:
-        if h.exists() and (f".{dest.name}.old-" in h.name or _stale(h)):
+        if h.exists() and (f".{dest.name}.old-" in h.name or _stale(h) or owner_dead(h, f".{dest.name}.tmp-")):
             shutil.rmtree(h, ignore_errors=True)
     return dest if dest.exists() else None
+
+
+@contextlib.contextmanager
+def _write_errors(dest: Path) -> Iterator[None]:
+    """The errors the weight writers raise for a failed write (a full disk: safetensors' SafetensorError,
+    torch.save's RuntimeError) as one-line UserErrors; the checkpoint already at `dest` stays."""
+    try:
+        yield
+    except (RuntimeError, SafetensorError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"cannot write the checkpoint {dest} ({first}; is the disk full?); the last checkpoint "
+                        f"is kept") from None
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Optional[dict] = None,
@@ -160,15 +175,15 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Opt
     """Write a checkpoint folder atomically (with `ema`, the averaged weights too); returns its path."""
     dest = Path(path)
     raw = unwrap(model)
-    with new_folder(dest) as tmp:
+    with new_folder(dest) as tmp, _write_errors(dest):
         save_model(raw, str(tmp / WEIGHTS))
         if ema is not None:
             save_model(unwrap(ema), str(tmp / EMA_WEIGHTS))
-        cfg = to_dict(raw.config)
-        cfg.update({"run": run or {}, "task": task or {}, "loopformer_version": __version__})
-        (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=False, default=str) + "\n")
         if training_state is not None:
             torch.save(training_state, tmp / STATE)
+        cfg = to_dict(raw.config)      # last: a folder without a whole config.json is incomplete (`checkpoint_step`)
+        cfg.update({"run": run or {}, "task": task or {}, "loopformer_version": __version__})
+        (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=False, default=str) + "\n")
     for h in _hidden(dest):           # leftovers of earlier swaps cut short (this process writes this checkpoint)
         shutil.rmtree(h, ignore_errors=True)
     return dest
@@ -191,9 +206,16 @@ def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
         data = json.loads((p / CONFIG).read_text())
     except (ValueError, OSError) as exc:   # bad JSON, not UTF-8, unreadable
         raise UserError(f"{p / CONFIG} is not valid JSON: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+    except RecursionError:                  # nested deeper than any config
+        raise UserError(f"{p / CONFIG} is nested too deeply to be a loopformer config") from None
     if not isinstance(data, dict):
         raise UserError(f"{p / CONFIG} is not a JSON object")
     extra = {k: data.pop(k) for k in list(data) if k in RESERVED_KEYS}
+    for key, value in [*((k, extra[k]) for k in ("run", "task") if k in extra),
+                       ("run.task", (extra.get("run") or {}).get("task") if isinstance(extra.get("run"), dict)
+                        else None)]:
+        if value is not None and not isinstance(value, dict):
+            raise UserError(f"{p / CONFIG}: {key} must be a JSON object (got {type(value).__name__})")
     return from_dict(ModelConfig, data), extra
 
 

@@ -46,6 +46,9 @@ def model_fields(cfg: TaskConfig) -> dict[str, Any]:
     if cfg.position_factors and cls is not TokenData:
         raise UserError(f"task.position_factors: the {cfg.name} task has no position factors (Sudoku has: row, "
                         "column, box)")
+    if cfg.loop_targets and cls is not TokenData:
+        raise UserError(f"task.loop_targets: the {cfg.name} task has no intermediate states (step_targets; e.g. "
+                        "word_problem, pointer_chase, schedule)")
     return cls.model_fields(cfg)
 
 

@@ -155,9 +155,14 @@ class DataSource:
         (halting across supervision steps). Only sources that pad say so."""
         raise UserError(f"halting across supervision steps is measured on token tasks (this is {self.kind} data)")
 
+    def check_votes(self) -> None:
+        """A UserError unless test-time voting (`views`) is defined for this data (checked before training)."""
+        raise UserError(f"test-time voting needs a token task with symmetries (this is {self.kind} data)")
+
     def views(self, inputs: np.ndarray, copies: int, seed: int) -> tuple[np.ndarray, Any]:
         """Test-time augmentation: every row of inputs [b,T] and `copies` symmetric copies of it [1+K,b,T], with
         the symmetries drawn (`unview` maps predictions back). Only tasks with symmetries have them."""
+        self.check_votes()
         raise UserError(f"test-time voting needs a token task with symmetries (this is {self.kind} data)")
 
     def unview(self, pred: np.ndarray, sym: Any, prob: np.ndarray) -> np.ndarray:

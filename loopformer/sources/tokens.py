@@ -100,6 +100,10 @@ class TokenData(DataSource):
         if cfg.augment and not self.task.augments:
             raise UserError(f"task.augment: the {self.task.name} task defines no augmentation")
         self.n_train = len(self.train["inputs"])
+        for split, rows in (("train", self.n_train), ("test", len(self.test["inputs"]))):
+            if rows == 0:
+                raise UserError(f"{cfg.data_dir or 'the task'} holds no {split} rows: nothing to train on or score "
+                                f"(write the dataset with --{split} N, N >= 1)")
 
     def plan(self, step: int, batch_size: int) -> np.ndarray:
         return stream_indices(self.cfg.seed, self.n_train, step * batch_size, batch_size)
@@ -144,9 +148,12 @@ class TokenData(DataSource):
     def content(self, x: torch.Tensor) -> torch.Tensor:
         return x != self.task.pad_id
 
-    def views(self, inputs: np.ndarray, copies: int, seed: int) -> tuple[np.ndarray, Any]:
+    def check_votes(self) -> None:
         if not self.task.votes:
             raise UserError(f"test-time voting: the {self.task.name} task defines no symmetries")
+
+    def views(self, inputs: np.ndarray, copies: int, seed: int) -> tuple[np.ndarray, Any]:
+        self.check_votes()
         return self.task.views(inputs, copies, seed=seed)
 
     def unview(self, pred: np.ndarray, sym: Any, prob: np.ndarray) -> np.ndarray:

@@ -138,20 +138,28 @@ def in_split(rows: np.ndarray, split: str) -> np.ndarray:
     return (b >= buckets.start) & (b < buckets.stop)
 
 
+MAX_EMPTY_DRAWS = 200    # batches in a row without a row of the split before `draw_in_split` gives up
+
+
 def draw_in_split(draw, n: int, rng: np.random.Generator, split: str) -> dict[str, np.ndarray]:
     """`n` samples of `split` by rejection: `draw(rng, m)` returns m samples as a dict of arrays with a leading
     sample axis (one of them "inputs"); the rows whose inputs hash into another split are dropped. Deterministic
-    in the state of `rng`."""
+    in the state of `rng`. A task whose space holds no row of `split` (tiny options) is a UserError after
+    MAX_EMPTY_DRAWS batches in a row without one, never an endless loop."""
     n = int(n)
     share = len(_SPLIT_BUCKETS[split_id(split)]) / HASH_BUCKETS
     parts: list[dict[str, np.ndarray]] = []
-    have = 0
-    while have < n:
+    have, empty = 0, 0
+    while have < n or not parts:
         m = max(64, int(np.ceil((n - have) / share * 1.2)))
         batch = draw(rng, m)
         keep = in_split(batch["inputs"], split)
         parts.append({k: v[keep] for k, v in batch.items()})
         have += int(keep.sum())
+        empty = 0 if keep.any() else empty + 1
+        if empty >= MAX_EMPTY_DRAWS and have < n:
+            raise UserError(f"the task's options leave too few distinct samples for the {split} split: none of "
+                            f"{empty * m:,} draws fell into it (the splits are disjoint); choose larger options")
     return {k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]}
 
 

@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
 from loopformer.fileio import read_manifest as read_json_manifest
-from loopformer.fileio import write_with
+from loopformer.fileio import check_owned_folder, remove_stale_temps, write_with
 from loopformer.version import __version__
 from loopformer.text.tokenizers import (TOKENIZER_FILE, ByteBPETokenizer, GPT2Tokenizer, Tokenizer, load_tokenizer,
                                         token_dtype)
@@ -55,6 +55,7 @@ from loopformer.text.tokenizers import (TOKENIZER_FILE, ByteBPETokenizer, GPT2To
 MANIFEST = "manifest.json"
 FORMAT = "loopformer-text/1"
 SPLITS = ("train", "val", "test")
+PREPARED = (MANIFEST, TOKENIZER_FILE, *(f"{s}.bin" for s in SPLITS), ".prepare-*")   # what `text prepare` writes
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 _CHUNK_ROWS = 4096
 
@@ -412,10 +413,13 @@ def _prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareO
     out = os.fspath(out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"{out} exists and is not a folder")
+    check_owned_folder(out, PREPARED, MANIFEST, "text prepare", always=(".prepare-*",))
     os.makedirs(out, exist_ok=True)
-
+    remove_stale_temps(out, ".prepare-")
+    listed: set[str] = set()       # the split files the folder's manifest lists (only those are this command's)
     if os.path.isfile(os.path.join(out, MANIFEST)):
         old = read_manifest(out)
+        listed = set(old.get("splits", {})) if isinstance(old.get("splits"), dict) else set()
         if old.get("options") == record:
             problems = verify_corpus(out, old)
             if not problems:
@@ -429,7 +433,7 @@ def _prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareO
             raise UserError(f"{out} holds a corpus prepared with other options ({', '.join(diff)}); "
                             "choose another output folder or rebuild it with force")
 
-    tmp = tempfile.mkdtemp(dir=out, prefix=".prepare-")
+    tmp = tempfile.mkdtemp(dir=out, prefix=f".prepare-{os.getpid()}-")
     try:
         manifest = _prepare_into(src, opts, tok_kind, record, tmp, progress)
         # move into place: drop the old manifest first so no manifest ever describes mismatched files
@@ -441,7 +445,8 @@ def _prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareO
         if tok_kind != "bpe" and os.path.exists(os.path.join(out, TOKENIZER_FILE)):
             os.unlink(os.path.join(out, TOKENIZER_FILE))
         for split in SPLITS:  # stale split files of an earlier preparation
-            if split not in manifest["splits"] and os.path.exists(os.path.join(out, f"{split}.bin")):
+            stale = os.path.join(out, f"{split}.bin")
+            if split not in manifest["splits"] and split in listed and os.path.exists(stale):
                 os.unlink(os.path.join(out, f"{split}.bin"))
         os.replace(os.path.join(tmp, MANIFEST), os.path.join(out, MANIFEST))
     finally:

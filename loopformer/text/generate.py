@@ -70,6 +70,8 @@ class SamplingConfig:
             raise UserError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise UserError(f"temperature must be a finite number >= 0 (got {self.temperature})")
+        if not 0 <= self.seed < 2 ** 63:
+            raise UserError(f"seed must be in [0, 2^63) (got {self.seed})")
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"top_k must be >= 1 (got {self.top_k})")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
@@ -91,7 +93,9 @@ def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Opti
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)            # [B,V]
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs            # probability of the strictly more likely tokens
-        drop_sorted = before >= top_p                 # the most likely token always stays (before = 0)
+        drop_sorted = before >= top_p
+        drop_sorted[..., 0] = False                   # the most likely token always stays (also for a p below
+                                                      # the dtype's smallest number)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -103,7 +107,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
-    logits = filter_logits(logits / temperature, top_k, top_p)
+    # the largest logit at 0 and the temperature at least float32's smallest normal number: a tiny temperature
+    # gives -inf elsewhere, never inf - inf or 0 / 0 (NaN)
+    logits = logits - logits.max(-1, keepdim=True).values
+    logits = filter_logits(logits / max(temperature, torch.finfo(logits.dtype).tiny), top_k, top_p)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

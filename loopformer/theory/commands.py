@@ -15,6 +15,7 @@ import sys
 from loopformer.commandline import add_group, add_quiet
 from loopformer.errors import UserError
 from loopformer.fileio import write_json, write_text
+from loopformer.model.memory import available_bytes
 from loopformer.theory.moduli import KINDS, estimate_modulus
 from loopformer.theory.rate import rate_experiment, write_rate
 from loopformer.theory.targets import check_target, checkpoint_target, load_target
@@ -73,6 +74,23 @@ def _rate(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_MODULUS_VALUES = 10 ** 10    # the most input values (samples × d × N) one `theory modulus` draws
+
+
+def check_modulus_size(N: int, d: int, samples: int, restarts: int) -> None:
+    """One-line UserErrors, before anything is drawn, for a `theory modulus` whose work (samples × d × N values) or
+    memory (a batch of up to 1,024 pairs and the kept restarts, float64) is out of reach."""
+    values = samples * d * N
+    if values > MAX_MODULUS_VALUES:
+        raise UserError(f"theory modulus would draw {samples:,} pairs of {d}×{N} inputs ({values:,} values, about "
+                        f"{16 * values / 2**30:,.0f} GiB of float64 in all), more than {MAX_MODULUS_VALUES:,}; "
+                        f"lower --samples, N or d")
+    need = 8 * 8 * min(samples, 1024) * d * N + 2 * 8 * restarts * -(-samples // 1024) * d * N
+    if need > available_bytes("cpu"):
+        raise UserError(f"theory modulus needs about {need / 2**30:,.1f} GiB but {available_bytes('cpu') / 2**30:,.1f} "
+                        f"GiB are available; lower --samples, --restarts, N or d")
+
+
 def _modulus(args: argparse.Namespace) -> int:
     kinds = list(KINDS) if args.kind == "all" else [args.kind]
     if args.N < 1 or args.d < 1:
@@ -87,12 +105,14 @@ def _modulus(args: argparse.Namespace) -> int:
         if args.target is not None:
             raise UserError("give either --target or --checkpoint, not both")
         f, d, lo, hi = checkpoint_target(args.checkpoint, args.N, args.loops)
+        check_modulus_size(args.N, d, args.samples, args.restarts)
         name = f"checkpoint {args.checkpoint}"
     else:
         spec = args.target or "default"
         f, d = load_target(spec), args.d
         lo, hi = 0.0, 1.0
         name = f"target {spec!r}"
+        check_modulus_size(args.N, d, args.samples, args.restarts)     # before the target is tried
         check_target(f, d, args.N, name)
     lo = lo if args.lo is None else args.lo
     hi = hi if args.hi is None else args.hi

@@ -139,7 +139,9 @@ class TrainConfig:
         _need(self.consistency >= 0 and self.fixed_point >= 0, "train.consistency and train.fixed_point must be >= 0")
         _need(self.consistency_budget in ("double", "max"),
               f"train.consistency_budget must be 'double' or 'max' (got {self.consistency_budget!r})")
-        _need(self.fixed_point_loops >= 1, f"train.fixed_point_loops must be >= 1 (got {self.fixed_point_loops})")
+        _need(1 <= self.fixed_point_loops <= 1024,
+              f"train.fixed_point_loops must be in 1..1024 (got {self.fixed_point_loops})")
+        _need(0 <= self.eps < 1, f"train.eps must be in [0, 1) (got {self.eps})")   # NaN fails every comparison
         _need(self.loss in ("cross_entropy", "stablemax"),
               f"train.loss must be 'cross_entropy' or 'stablemax' (got {self.loss!r})")
         _need(0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1) (got {self.ema_decay})")

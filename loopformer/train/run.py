@@ -33,7 +33,8 @@ from omegaconf import OmegaConf
 
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
-from loopformer.fileio import finite_or_none, write_json, write_text
+from loopformer import fileio
+from loopformer.fileio import finite_or_none, open_nofollow, write_json, write_text
 from loopformer.model.io import RUN_CHECKPOINT, has_training_state, recover_checkpoint
 from loopformer.train.config import RunConfig, load_run_config
 
@@ -53,7 +54,7 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -76,11 +77,7 @@ class RunLock:
 def foreign_entries(run_dir: Path) -> list[str]:
     """The names in `run_dir` that a run did not write (ignoring atomic writes' hidden temporary names). A run writes
     run.json first, so in a folder without it every entry is the user's — a `config.yaml` there too."""
-    if not run_dir.is_dir():
-        return []
-    ours = set(RUN_ENTRIES) if (run_dir / RUN_FILE).is_file() else {LOCK_FILE}
-    return sorted(p.name for p in run_dir.iterdir()
-                  if p.name not in ours and not any(p.name.startswith(f".{n}.") for n in RUN_ENTRIES))
+    return fileio.foreign_entries(run_dir, RUN_ENTRIES, RUN_FILE, always=(LOCK_FILE,))
 
 
 # ------------------------------------------------------------------------------------------------- provenance

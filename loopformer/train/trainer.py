@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from loopformer import configio
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
-from loopformer.eval.run import evaluate_all
+from loopformer.eval.run import check_eval_config, evaluate_all
 from loopformer.fileio import can_compile
 from loopformer.model.diagnostics import (grad_norms, loop_dynamics, modulation_stats, state_grad_norms,
                                          summarize_settle)
@@ -239,6 +239,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed % 2 ** 32)
         self.data: DataSource = make_data(cfg.task)
+        check_eval_config(cfg.eval, cfg.model.total_loops)     # the evaluation section too, before the first step
+        if cfg.eval.votes:
+            self.data.check_votes()
         self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
