@@ -119,16 +119,16 @@ def generation(args, batch: int) -> dict:
                                                 compile=True)
     compile_s = None
     for k, c in cfgs.items():                                                      # warm-up (and compilation)
-        s, _ = timed(lambda: generate(model, prompts, c), args.device)
+        s, _ = timed(lambda c=c: generate(model, prompts, c), args.device)
         compile_s = s if k == "compiled" else compile_s
     times: dict = {k: [] for k in cfgs}
     res = {}
     for _ in range(args.reps):   # interleaved, so load changes affect all alike
         for k, c in cfgs.items():
-            t, res[k] = timed(lambda: generate(model, prompts, c), args.device)
+            t, res[k] = timed(lambda c=c: generate(model, prompts, c), args.device)
             times[k].append(t)
     assert res["step"].tokens == res["depthwise"].tokens, "the two schedules disagree"
-    ops = {k: top_level_ops(lambda: generate(model, prompts, c)) for k, c in cfgs.items()} if args.ops else {}
+    ops = {k: top_level_ops(lambda c=c: generate(model, prompts, c)) for k, c in cfgs.items()} if args.ops else {}
     assert "compiled" not in res or res["compiled"].tokens == res["depthwise"].tokens, "the compiled tick disagrees"
     assert "compiled" not in res or res["compiled-fixed"].tokens == res["fixed"].tokens, "gate:1 is not fixed depth"
     n = batch * args.new_tokens

@@ -49,7 +49,7 @@ def main() -> None:
         model = LoopedTransformer(cfg)
         x = torch.randint(0, 8, (B, T))
 
-        def step(read_only: bool) -> torch.Tensor:
+        def step(read_only: bool, model: LoopedTransformer = model, x: torch.Tensor = x) -> torch.Tensor:
             model.zero_grad(set_to_none=True)
             out = model(x, return_all=True, read_at=at, read_only=read_only)
             out.all_logits.square().mean().backward()

@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +85,7 @@ def source_dir(src: str, tmp: Path) -> Path:
     return dest
 
 
-def start(src: Path, config: str, overrides: list[str], args, cache: Optional[str] = None) -> subprocess.Popen:
+def start(src: Path, config: str, overrides: list[str], args, cache: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(args.threads)}
     if cache:                                   # an empty compiler cache of its own: a cold compilation
         env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=cache)

@@ -9,8 +9,8 @@ import dataclasses
 import fnmatch
 import inspect
 import io
-import tokenize
 import re
+import tokenize
 import typing
 from pathlib import Path
 

@@ -18,7 +18,8 @@ import hashlib
 import json
 import os
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from loopformer.errors import UserError
 from loopformer.fileio import write_json
@@ -66,8 +67,8 @@ def _write_cache(path: str, entry: dict) -> None:
         pass
 
 
-def verify_file(path: str | os.PathLike, sha256: Optional[str], label: str,
-                extra: Optional[Callable[[], dict]] = None, shown: Optional[str] = None) -> dict:
+def verify_file(path: str | os.PathLike, sha256: str | None, label: str,
+                extra: Callable[[], dict] | None = None, shown: str | None = None) -> dict:
     """Check `path` against `sha256` unless it was verified before at its current size and modification time.
 
     `extra()`, if given, is run once when the file is (re)verified and its JSON-able result is stored with the
@@ -106,7 +107,7 @@ def verify_file(path: str | os.PathLike, sha256: Optional[str], label: str,
     return rec
 
 
-def forget(path: Optional[str | os.PathLike] = None) -> None:
+def forget(path: str | os.PathLike | None = None) -> None:
     """Drop the in-process memory of verified files (all, or one path); the on-disk record stays."""
     if path is None:
         _MEMO.clear()

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 
 import yaml
 
@@ -22,7 +21,7 @@ from loopformer.errors import UserError
 from loopformer.fileio import check_device
 
 
-def add_group(subparsers, name: str, help: str, description: Optional[str] = None, metavar: str = "ACTION"):
+def add_group(subparsers, name: str, help: str, description: str | None = None, metavar: str = "ACTION"):
     """A command group's parser; returns its sub-parsers (the group's own when another module made it: actions of
     one group may live in several packages). Without an action the group prints its help, exit 2."""
     if name in subparsers.choices:
@@ -40,7 +39,7 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_device(parser: argparse.ArgumentParser, default: Optional[str] = "auto") -> None:
+def add_device(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
     """--device; `default=None` leaves the choice to the run config."""
     where = "the config's `device`" if default is None else default
     parser.add_argument("--device", type=_device, default=default, metavar="DEVICE",
@@ -63,7 +62,7 @@ def add_halt(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--halt", default=None, metavar="RULE", help=HALT_HELP)
 
 
-def split_items(items: list[str], config_required: bool) -> tuple[Optional[str], list[str]]:
+def split_items(items: list[str], config_required: bool) -> tuple[str | None, list[str]]:
     """CONFIG [key=value ...]: the first item is the config file unless it is an override."""
     items = list(items)
     config = None

@@ -21,8 +21,9 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def finite_or_none(obj: Any) -> Any:
     return obj
 
 
-def write_json(path: str | os.PathLike, obj: Any, *, indent: Optional[int] = 2, **dumps: Any) -> Path:
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, **dumps: Any) -> Path:
     """Atomically write `obj` as strict JSON (`json.dumps(obj, indent=indent, **dumps)` and a newline) to `path`:
     a NaN or infinite number is written as null, never as the non-standard `NaN` / `Infinity`."""
     dumps.setdefault("allow_nan", False)
@@ -221,7 +222,7 @@ def check_device(name: str) -> str:
     return name
 
 
-def pick_device(choice: Optional[str] = "auto", local_rank: int = 0) -> torch.device:
+def pick_device(choice: str | None = "auto", local_rank: int = 0) -> torch.device:
     """'auto' (or None) → CUDA if available, else Apple MPS, else CPU; an explicit choice must be available.
     Plain 'cuda' is the process's GPU under torchrun (`local_rank`), 'cuda:N' a given one."""
     choice = check_device(choice or "auto")

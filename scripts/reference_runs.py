@@ -25,7 +25,7 @@ from pathlib import Path
 
 LF = [sys.executable, "-m", "loopformer.cli"]
 EAGER = ["train.compile=false", "threads=1", "log.tensorboard=false"]
-DROP = ("time", "_s", "wall", "path", "dir", "speedup", "checkpoint", "device", "compiled")
+DROP = ("time", "_s", "wall", "path", "dir", "speedup", "checkpoint", "device", "compiled", "memory")
 
 
 def _clean(obj):

@@ -7,8 +7,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from loopformer.analysis.continuity import (ContinuityConfig, EmbeddingMap, LoopedEmbeddingMap, jacobian_norm,
-                                            measure_continuity, to_markdown)
+from loopformer.analysis.continuity import (
+    ContinuityConfig,
+    EmbeddingMap,
+    LoopedEmbeddingMap,
+    jacobian_norm,
+    measure_continuity,
+    to_markdown,
+)
 from loopformer.model import LoopedTransformer, ModelConfig
 
 

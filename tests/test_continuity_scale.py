@@ -6,9 +6,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from loopformer.analysis.continuity import (ContinuityConfig, EmbeddingMap, LoopedEmbeddingMap,
-                                            continuity_of_checkpoint, measure_continuity, scale_free_ratios,
-                                            to_markdown)
+from loopformer.analysis.continuity import (
+    ContinuityConfig,
+    EmbeddingMap,
+    LoopedEmbeddingMap,
+    continuity_of_checkpoint,
+    measure_continuity,
+    scale_free_ratios,
+    to_markdown,
+)
 from loopformer.model import LoopedTransformer, ModelConfig
 
 

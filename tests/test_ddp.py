@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train import TINY
 
 from loopformer.train.run import read_metrics, read_results
-
-from test_train import TINY
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 

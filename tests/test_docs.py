@@ -23,7 +23,7 @@ def test_config_reference_lists_every_field_with_its_comment():
     page = hooks.config_reference()
     import importlib
 
-    for section, module, name in hooks.SECTIONS:
+    for _section, module, name in hooks.SECTIONS:
         cls = getattr(importlib.import_module(module), name)
         for f in dataclasses.fields(cls):
             if f.init and not dataclasses.is_dataclass(f.default_factory() if callable(f.default_factory) else None):

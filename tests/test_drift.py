@@ -47,7 +47,7 @@ def test_spectral_radius_against_exact_eigenvalues_and_the_identity():
         h = m(x, loops=3).hidden
     exact = []
     for b in range(3):            # rows are independent: row b's Jacobian [T·D, T·D], its eigenvalues
-        f = lambda s: m(x[b:b + 1], state=s.view(1, 5, 16), loops=1, loop_offset=3).hidden.flatten()  # noqa: E731
+        f = lambda s, b=b: m(x[b:b + 1], state=s.view(1, 5, 16), loops=1, loop_offset=3).hidden.flatten()  # noqa: E731
         J = torch.autograd.functional.jacobian(f, h[b].flatten())
         exact.append(float(torch.linalg.eigvals(J).abs().max()))
     assert torch.allclose(torch.tensor(rho), torch.tensor(exact), rtol=3e-2)

@@ -14,8 +14,14 @@ import torch.nn.functional as F
 from loopformer.cli import main
 from loopformer.model import LoopedTransformer
 from loopformer.model.config import ModelConfig
-from loopformer.model.diagnostics import (fixed_modulation, grad_norms, loop_dynamics, modulation_ablations,
-                                          modulation_stats, summarize_settle)
+from loopformer.model.diagnostics import (
+    fixed_modulation,
+    grad_norms,
+    loop_dynamics,
+    modulation_ablations,
+    modulation_stats,
+    summarize_settle,
+)
 from loopformer.model.layers import PARAM_GROUPS, is_timestep_param, param_group
 from loopformer.train.config import load_run_config
 from loopformer.train.optim import make_optimizer

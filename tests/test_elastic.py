@@ -21,11 +21,11 @@ from loopformer.model.convert import to_normalized_time
 from loopformer.sources import TokenData
 from loopformer.tasks import IGNORE
 from loopformer.train.config import load_run_config
+from loopformer.train.distributed import setup, teardown
 from loopformer.train.losses import consistency_loss, fixed_point_loss
 from loopformer.train.optim import loops_at, sample_loops
 from loopformer.train.run import load_for_resume, read_metrics, read_results
 from loopformer.train.trainer import Trainer, train
-from loopformer.train.distributed import setup, teardown
 
 TINY = ["task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=96",
         "task.n_test=40", "model.d_model=16", "model.n_heads=2", "model.loops=3", "model.input_injection=true",

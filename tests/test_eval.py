@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_train import TINY
 
 from loopformer.cli import main
 from loopformer.eval.evaluate import evaluate
 from loopformer.model import LoopedTransformer
 from loopformer.sources import make_data
 from loopformer.train.config import load_run_config
-
-from test_train import TINY
 
 
 def _model_and_data(*extra):

@@ -8,14 +8,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_train import TINY
 
 from loopformer.cli import main
 from loopformer.eval.halting import best_rule, evaluate_halting, format_halting, halting_sweep
 from loopformer.model import LoopedTransformer
 from loopformer.sources import make_data
 from loopformer.train.config import load_run_config
-
-from test_train import TINY
 
 
 def _model_and_data(*extra):

@@ -11,8 +11,18 @@ import torch.nn.functional as F
 
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
-from loopformer.model.halting import (ExitGate, HaltRule, criterion_holds, entropy, kl_divergence, latent_change,
-                                      row_max, row_mean, stops, update_streak)
+from loopformer.model.halting import (
+    ExitGate,
+    HaltRule,
+    criterion_holds,
+    entropy,
+    kl_divergence,
+    latent_change,
+    row_max,
+    row_mean,
+    stops,
+    update_streak,
+)
 from loopformer.model.looped import LoopedTransformer
 from loopformer.train.losses import exit_distribution, exit_distribution_loss, halting_target_loss
 

@@ -32,7 +32,7 @@ def test_looped_block_equals_weight_tied_stack(bias, causal):
     stack = LoopedTransformer(tiny(loops=1, n_layers=4, bias=bias, causal=causal)).eval()
     sd = looped.state_dict()
     new = {}
-    for k, v in stack.state_dict().items():
+    for k, _v in stack.state_dict().items():
         src = k
         if k.startswith("blocks."):
             src = "blocks.0." + k.split(".", 2)[2]

@@ -17,8 +17,16 @@ from loopformer.model.config import ModelConfig
 from loopformer.model.io import load
 from loopformer.model.recursion import step_exits, supervision_steps
 from loopformer.sources import TaskConfig, TokenData
-from loopformer.tasks.sudoku import (SudokuTask, apply_symmetries, digits_to_ids, draw_symmetries, ids_to_digits,
-                                     invert_symmetries, is_valid_solution, vote)
+from loopformer.tasks.sudoku import (
+    SudokuTask,
+    apply_symmetries,
+    digits_to_ids,
+    draw_symmetries,
+    ids_to_digits,
+    invert_symmetries,
+    is_valid_solution,
+    vote,
+)
 from loopformer.train.config import load_run_config
 from loopformer.train.ema import EMA
 from loopformer.train.run import read_metrics, read_results
@@ -104,7 +112,7 @@ def test_ema_update_is_exact():
     model = _model(False)
     ema = EMA(model, 0.75)
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for k in range(3):
+    for _k in range(3):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_cli_errors import TINY_YAML, error_line
+from test_convert import ckpt
 
 import loopformer.model.io as ckpt_io
 from loopformer.analysis.continuity import ContinuityConfig
@@ -24,8 +26,6 @@ from loopformer.errors import UserError
 from loopformer.tasks.common import draw_in_split
 from loopformer.text.generate import sample_next
 from loopformer.train.run import RunLock
-from test_cli_errors import TINY_YAML, error_line
-from test_convert import ckpt
 
 
 def digest(folder: Path) -> str:

@@ -16,6 +16,8 @@ import numpy as np
 import psutil
 import pytest
 from safetensors.torch import load_file, save_file
+from test_cli_errors import TINY_YAML as TINY_CLI_YAML
+from test_cli_errors import error_line
 
 from loopformer.checksums import sha256_file
 from loopformer.cli import main
@@ -23,8 +25,6 @@ from loopformer.fileio import write_json
 from loopformer.model import memory
 from loopformer.model.halting import HaltRule
 from loopformer.train.run import RunLock
-from test_cli_errors import TINY_YAML as TINY_CLI_YAML
-from test_cli_errors import error_line
 
 TINY_YAML = TINY_CLI_YAML.replace("steps: 2", "steps: 4").replace("eval_every: 1", "eval_every: 2")
 

@@ -13,8 +13,14 @@ from loopformer.cli import main
 from loopformer.errors import UserError
 from loopformer.sources import TaskConfig, TextData, TokenData, VectorData, make_data, model_fields, source_class
 from loopformer.tasks import TASKS, TokenTask, Vocab
-from loopformer.tasks.common import causal_targets, check_range, dataclass_options, exact_match, make_rng
-from loopformer.tasks.common import token_accuracy
+from loopformer.tasks.common import (
+    causal_targets,
+    check_range,
+    dataclass_options,
+    exact_match,
+    make_rng,
+    token_accuracy,
+)
 from loopformer.train.config import load_run_config
 from loopformer.train.run import read_results
 from loopformer.train.trainer import train

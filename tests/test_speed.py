@@ -16,12 +16,12 @@ from loopformer.model import LoopedTransformer
 from loopformer.model.config import ModelConfig
 from loopformer.tasks import IGNORE
 from loopformer.train import trainer as trainer_mod
+from loopformer.train.compiling import block_compiled, eager
 from loopformer.train.config import TrainConfig, load_run_config
 from loopformer.train.distributed import setup
 from loopformer.train.losses import loop_targets, read_positions, summed_loss
 from loopformer.train.optim import make_optimizer
 from loopformer.train.run import read_metrics
-from loopformer.train.compiling import block_compiled, eager
 from loopformer.train.trainer import Trainer, compiles, step_scope, train
 
 BASE = ["task.n_train=128", "task.n_test=32", "model.d_model=16", "model.n_heads=2", "model.loops=3",

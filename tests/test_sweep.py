@@ -9,13 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+from test_train import TINY
 
 from loopformer.cli import main
 from loopformer.errors import UserError
 from loopformer.experiments.report import find_runs, table, write_report
 from loopformer.experiments.sweep import expand, parse_grid, run_name, run_sweep
-
-from test_train import TINY
 
 
 def _config(tmp_path: Path) -> Path:

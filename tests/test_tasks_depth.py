@@ -310,8 +310,8 @@ def test_per_loop_targets_refused_where_they_cannot_apply(tmp_path, capsys, over
 def test_loopwise_step_accuracy_scores_each_loop_against_its_state(tmp_path):
     """A model whose read-out after loop t is exactly layer t's state scores step_accuracy 1 at every loop (and
     accuracy 1 only from the last layer on): checked with a stand-in model that returns the reference states."""
-    from loopformer.model.looped import LoopOutput
     from loopformer.eval.evaluate import loop_metrics
+    from loopformer.model.looped import LoopOutput
     from loopformer.sources import TaskConfig, make_data
 
     data = make_data(TaskConfig(name="schedule", options={"layers": 3, "width": 5, "alphabet": 3}, n_train=10,

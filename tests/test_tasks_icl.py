@@ -4,8 +4,17 @@ import numpy as np
 import pytest
 
 from loopformer.errors import UserError
-from loopformer.tasks.icl import (Curriculum, ICLTask, baseline_curves, decision_tree_baseline, interleave,
-                                  knn_baseline, least_squares_baseline, prediction_positions, squared_error_curve)
+from loopformer.tasks.icl import (
+    Curriculum,
+    ICLTask,
+    baseline_curves,
+    decision_tree_baseline,
+    interleave,
+    knn_baseline,
+    least_squares_baseline,
+    prediction_positions,
+    squared_error_curve,
+)
 
 
 def tree_value(coords, values, x, depth):
@@ -115,8 +124,8 @@ def test_reference_predictors_are_scored_like_the_model():
     squares is exact once the prompt holds d examples."""
     import torch
 
-    from loopformer.model.looped import LoopOutput
     from loopformer.eval.evaluate import loop_metrics
+    from loopformer.model.looped import LoopOutput
     from loopformer.sources import TaskConfig, make_data
 
     cfg = TaskConfig(name="icl", options={"function_class": "linear", "n_dims": 3}, n_test=64, points=9)

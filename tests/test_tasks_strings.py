@@ -3,7 +3,7 @@
 import hashlib
 import heapq
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from loopformer.tasks.pairs import LETTERS
 
 # ------------------------------------------------------------------------------------------------ references
 def ref_edit_distance(a: str, b: str, ins=2, dele=2, rep=3) -> int:
-    @lru_cache(maxsize=None)
+    @cache
     def d(i, j):
         if i == 0:
             return j * ins

@@ -7,8 +7,16 @@ import pytest
 
 from loopformer.errors import UserError
 from loopformer.tasks import get_task
-from loopformer.tasks.sudoku import (SudokuTask, augment, count_solutions, ids_to_digits, is_valid_solution, rate,
-                                     read_sudoku_csv, solve)
+from loopformer.tasks.sudoku import (
+    SudokuTask,
+    augment,
+    count_solutions,
+    ids_to_digits,
+    is_valid_solution,
+    rate,
+    read_sudoku_csv,
+    solve,
+)
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 HARD = "8..........36......7..9.2...5...7.......457.....1...3...1....68..85...1..9....4.."

@@ -10,8 +10,16 @@ import numpy as np
 import pytest
 
 from loopformer.errors import UserError
-from loopformer.text.corpus import (MANIFEST, PrepareOptions, perturb_tokens, play_to_text, plays_files,
-                                    prepare_corpus, read_manifest, verify_corpus)
+from loopformer.text.corpus import (
+    MANIFEST,
+    PrepareOptions,
+    perturb_tokens,
+    play_to_text,
+    plays_files,
+    prepare_corpus,
+    read_manifest,
+    verify_corpus,
+)
 from loopformer.text.dataset import RandomWindows, SequentialWindows, TokenCorpus
 from loopformer.text.tokenizers import ByteBPETokenizer
 

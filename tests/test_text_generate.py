@@ -7,8 +7,7 @@ import torch.nn as nn
 
 from loopformer.errors import UserError
 from loopformer.model import LoopedTransformer, ModelConfig
-from loopformer.text.generate import (SamplingConfig, filter_logits, generate, generate_text, left_pad,
-                                      sample_next)
+from loopformer.text.generate import SamplingConfig, filter_logits, generate, generate_text, left_pad, sample_next
 from loopformer.text.tokenizers import ByteBPETokenizer
 
 

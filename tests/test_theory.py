@@ -150,7 +150,7 @@ def test_bit_extraction_every_k(bits):
         assert evaluate(printed, [[k]])[0] == [0]
         # coordinate 2 (printed as β_l) runs 0, 0, −θ_1, −θ_1−θ_2, …: it never holds β_l
         seen = []
-        evaluate(net, [[k]], trace=lambda t, H: seen.append(H[0][1]))
+        evaluate(net, [[k]], trace=lambda t, H, seen=seen: seen.append(H[0][1]))
         assert seen == [0] + [-sum(bits[:l - 1]) for l in range(2, r + 1)]
         assert all(v <= 0 for v in seen)
 

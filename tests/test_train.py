@@ -227,8 +227,8 @@ def test_cli_train_and_resume_extends(tmp_path, capsys):
 
 
 def test_language_model_training_on_a_token_folder(tmp_path):
-    from loopformer.text.corpus import PrepareOptions, prepare_corpus
     from loopformer.sources import TextData
+    from loopformer.text.corpus import PrepareOptions, prepare_corpus
 
     rng = np.random.default_rng(0)
     (tmp_path / "t.txt").write_text("\n".join(" ".join(rng.choice(["to", "be", "or", "not"], 10)) for _ in range(200)))

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -73,7 +73,7 @@ class ContinuityConfig:
     moduli_samples: int = 0                # > 0: also the worst-case moduli of loopformer.theory (random pairs ...)
     moduli_steps: int = 50                 # ... then projected gradient ascent steps), at the smallest scale
     seed: int = 0
-    protect: Optional[int] = None          # a token id never substituted in or out (EOT)
+    protect: int | None = None          # a token id never substituted in or out (EOT)
     loopwise_scale: float = 1e-2           # relative noise scale ρ of the relative and per-loop measures
 
     def __post_init__(self) -> None:
@@ -92,7 +92,7 @@ class Stat:
     max: float
 
     @classmethod
-    def of(cls, x: np.ndarray) -> "Stat":
+    def of(cls, x: np.ndarray) -> Stat:
         x = np.asarray(x, dtype=np.float64)
         return cls(float(x.mean()), float(np.median(x)), float(x.max()))
 
@@ -101,9 +101,9 @@ class Stat:
 class ContinuityReport:
     noise: dict[str, dict[str, Stat]] = field(default_factory=dict)   # "1e-2" -> kind -> Stat
     substitution: dict[str, Stat] = field(default_factory=dict)       # kind -> Stat
-    jacobian: Optional[Stat] = None
+    jacobian: Stat | None = None
     moduli: dict[str, float] = field(default_factory=dict)            # kind -> worst-case ω(δ)/δ (theory estimator)
-    moduli_delta: Optional[float] = None
+    moduli_delta: float | None = None
     input_rms: float = 0.0
     positions: list[int] = field(default_factory=list)                # the position n of each sample
     samples: int = 0
@@ -117,7 +117,7 @@ class ContinuityReport:
     raw: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     @property
-    def relative_coefficient(self) -> Optional[float]:
+    def relative_coefficient(self) -> float | None:
         """Scale-invariant headline: the mean relative local Lipschitz constant ‖∂f/∂X‖₂·‖X‖/‖f(X)‖."""
         st = self.relative.get("jacobian")
         return None if st is None else st.mean
@@ -174,7 +174,7 @@ def noise_ratios(fmap: EmbeddingMap, X: torch.Tensor, rho: float, gen: torch.Gen
 
 @torch.no_grad()
 def substitution_ratios(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int, positions: torch.Tensor,
-                        rng: np.random.Generator, protect: Optional[int] = None) -> dict[str, np.ndarray]:
+                        rng: np.random.Generator, protect: int | None = None) -> dict[str, np.ndarray]:
     """Replace token n of each row by a different random token; ratios [B] of output change to embedding change."""
     B, T = idx.shape
     ar = torch.arange(B, device=idx.device)
@@ -277,7 +277,7 @@ def theory_moduli(fmap: EmbeddingMap, X: torch.Tensor, delta: float, samples: in
 
 
 def measure_continuity(fmap: EmbeddingMap, idx: torch.Tensor, vocab_size: int,
-                       cfg: Optional[ContinuityConfig] = None, progress: bool = True) -> ContinuityReport:
+                       cfg: ContinuityConfig | None = None, progress: bool = True) -> ContinuityReport:
     """All estimates on the sample windows `idx` [B,T]; see the module docstring."""
     cfg = cfg or ContinuityConfig()
     B, T = idx.shape
@@ -358,7 +358,7 @@ def to_markdown(reports: dict[str, ContinuityReport]) -> str:
     sep = "|---|" + "---|" * len(names)
     rows = [head, sep]
 
-    def row(label: str, get: Callable[[ContinuityReport], Optional[Stat]]) -> None:
+    def row(label: str, get: Callable[[ContinuityReport], Stat | None]) -> None:
         cells = []
         for n in names:
             st = get(reports[n])
@@ -431,7 +431,7 @@ def loopwise_markdown(reports: dict[str, ContinuityReport]) -> str:
 
 def plot(reports: dict[str, ContinuityReport], path: str | os.PathLike) -> None:
     """Ratio against noise scale, one panel per modulus; substitution as a marker, Lipschitz as a dotted line."""
-    import matplotlib   # heavy: imported only when a plot is drawn
+    import matplotlib  # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -462,7 +462,7 @@ def plot(reports: dict[str, ContinuityReport], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
-def write_json(reports: dict[str, ContinuityReport], path: str | os.PathLike, extra: Optional[dict] = None) -> None:
+def write_json(reports: dict[str, ContinuityReport], path: str | os.PathLike, extra: dict | None = None) -> None:
     data = {"models": {n: r.to_dict() for n, r in reports.items()}, **(extra or {})}
     fileio.write_json(path, data, default=lambda o: o if not isinstance(o, float) or math.isfinite(o) else None)
 
@@ -472,7 +472,7 @@ def write_text(text: str, path: str | os.PathLike) -> None:
 
 
 def continuity_of_checkpoint(model, tokens: np.ndarray, vocab_size: int, cfg: ContinuityConfig,
-                             loops: Optional[int] = None, output: str = "hidden",
+                             loops: int | None = None, output: str = "hidden",
                              progress: bool = True) -> ContinuityReport:
     """Measure a `LoopedTransformer` on windows of a token split."""
     T = min(cfg.length, model.config.max_len) if model.config.pos == "learned" else cfg.length

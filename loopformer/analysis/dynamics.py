@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,8 +35,13 @@ from loopformer.errors import UserError
 from loopformer.eval.drift import drift_report, drift_table
 from loopformer.eval.evaluate import evaluate
 from loopformer.fileio import pick_device, write_figure, write_json, write_text
-from loopformer.model.diagnostics import (fixed_modulation, loop_dynamics, modulation_ablations,
-                                          modulation_stats, summarize_settle)
+from loopformer.model.diagnostics import (
+    fixed_modulation,
+    loop_dynamics,
+    modulation_ablations,
+    modulation_stats,
+    summarize_settle,
+)
 from loopformer.model.io import CONFIG, load, read_config, resolve_checkpoint
 from loopformer.model.layers import PARAM_GROUPS
 from loopformer.sources import DataSource, TaskConfig, make_data
@@ -47,7 +52,7 @@ MOD_KEYS = ("gate_attn", "gate_mlp", "alpha_attn", "alpha_mlp")
 
 
 def dynamics_of(model: torch.nn.Module, data: DataSource, *, loops: int, batch_size: int = 256, limit: int = 0,
-                device: Optional[torch.device] = None) -> dict[str, Any]:
+                device: torch.device | None = None) -> dict[str, Any]:
     """Per-loop dynamics of `model` on `data`'s test split (the first `limit` rows; 0: all), t = 1..loops."""
     device = device or next(model.parameters()).device
     sums: dict[str, np.ndarray] = {}
@@ -109,7 +114,7 @@ def to_markdown(res: dict[str, Any], trained: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def ablation_markdown(ab: Optional[dict[str, Any]], trained: int) -> str:
+def ablation_markdown(ab: dict[str, Any] | None, trained: int) -> str:
     """One line: the metric at r as trained, with the loops' average modulation, and without modulation."""
     if not ab:
         return ""
@@ -120,7 +125,7 @@ def ablation_markdown(ab: Optional[dict[str, Any]], trained: int) -> str:
 
 
 def plot_loops(res: dict[str, Any], trained: int, path: str | os.PathLike, title: str = "") -> None:
-    import matplotlib   # heavy: imported only when a plot is drawn
+    import matplotlib  # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -187,7 +192,7 @@ def plot_drift(rep: dict[str, Any], path: str | os.PathLike, title: str = "") ->
 
 
 def plot_training(curves: dict[str, list], path: str | os.PathLike, title: str = "") -> None:
-    import matplotlib   # heavy: imported only when a plot is drawn
+    import matplotlib  # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

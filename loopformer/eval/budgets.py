@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def parse_budgets(text: str, trained: int = 0) -> list[int]:
 
 @torch.no_grad()
 def evaluate_budgets(model: torch.nn.Module, data: DataSource, budgets: Sequence[int], *, batch_size: int = 256,
-                     limit: int = 0, device: Optional[torch.device] = None,
+                     limit: int = 0, device: torch.device | None = None,
                      autocast: Callable[[], Any] = contextlib.nullcontext, progress: bool = False,
                      halt: Sequence[HaltRule | str] = ()) -> dict[str, Any]:
     """The test metrics of `model` run with each budget R in `budgets` (its own forward with R loops).
@@ -60,7 +61,7 @@ def evaluate_budgets(model: torch.nn.Module, data: DataSource, budgets: Sequence
 
 @torch.no_grad()
 def budget_runs(raw: torch.nn.Module, data: DataSource, budgets: Sequence[int], *, batch_size: int, limit: int,
-                device: Optional[torch.device], autocast: Callable[[], Any], progress: bool,
+                device: torch.device | None, autocast: Callable[[], Any], progress: bool,
                 halt: Sequence[HaltRule]) -> dict[str, Any]:
     """`evaluate_budgets` on arguments already checked (`raw`: the model itself, not a wrapper)."""
     trained = raw.config.total_loops
@@ -114,7 +115,7 @@ def format_budgets(results: dict[str, dict[str, Any]]) -> str:
 
 def budgets_plot(results: dict[str, dict[str, Any]], path: str, title: str = "") -> None:
     """The metric against the budget R (log scale), one line per model, each model's trained r marked."""
-    import matplotlib                                 # heavy: only for plots
+    import matplotlib  # heavy: only for plots
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))

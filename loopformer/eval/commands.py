@@ -8,25 +8,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import Optional
 
 from loopformer.commandline import HALT_HELP, add_device, add_quiet, add_rows, parse_options
 from loopformer.configio import from_dict
 from loopformer.errors import UserError
 from loopformer.eval.budgets import budgets_plot, evaluate_budgets, format_budgets, parse_budgets
 from loopformer.eval.config import EvalConfig
+from loopformer.eval.drift import drift_table
 from loopformer.eval.evaluate import check_eval_args, format_results
 from loopformer.eval.halting import format_halting, sweep_plot
-from loopformer.eval.drift import drift_table
 from loopformer.eval.run import EXTRAS, check_eval_config, evaluate_all
-from loopformer.model.memory import check_loops
-from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.fileio import check_figure_path, pick_device, write_json
+from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.model.io import load, read_config, resolve_checkpoint
+from loopformer.model.memory import check_loops
 from loopformer.sources import TaskConfig, make_data, model_fields, source_class
 
 
-def other_data(task_cfg: TaskConfig, recorded: dict, data_dir: Optional[str], task_opts: Optional[dict]
+def other_data(task_cfg: TaskConfig, recorded: dict, data_dir: str | None, task_opts: dict | None
                ) -> TaskConfig:
     """The task section to evaluate on instead of the run's own test split: a dataset folder `data_dir` of the same
     task, or the run's task regenerated with `task_opts` replacing some of its options (`recorded`: the task the
@@ -68,9 +67,9 @@ def check_data_fits(data, task_cfg: TaskConfig, model_cfg) -> None:
                         f"{model_cfg.vocab_size}")
 
 
-def evaluate_checkpoint(path: str, cfg: Optional[EvalConfig] = None, *, device: str = "auto", ema: bool = False,
-                        timestep_past: Optional[str] = None, data_dir: Optional[str] = None,
-                        task_opts: Optional[dict] = None, against: Optional[list[str]] = None,
+def evaluate_checkpoint(path: str, cfg: EvalConfig | None = None, *, device: str = "auto", ema: bool = False,
+                        timestep_past: str | None = None, data_dir: str | None = None,
+                        task_opts: dict | None = None, against: list[str] | None = None,
                         progress: bool = True) -> dict:
     """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it as `cfg` asks
     (`loopformer.eval.run.evaluate_all`: loop-wise, "halting", "halting_sweep", "budgets"). `timestep_past`

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ MAX_ELEMENTS = 5e7            # the per-loop states of one trajectory batch: row
 
 
 def trajectory(model: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor, *, loops: int,
-               weight: Optional[torch.Tensor] = None) -> dict[str, list[float]]:
+               weight: torch.Tensor | None = None) -> dict[str, list[float]]:
     """Per-loop state change and read-out change (t = 1..loops) on one batch, in eval mode, no gradients."""
     net = unwrap(model)
     with torch.no_grad():
@@ -109,10 +110,10 @@ def verdict(metric_at: dict[int, float], change_last: float, r: int, higher: boo
     return "marginal"
 
 
-def drift_report(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] = None, batch_size: int = 256,
-                 limit: int = 0, device: Optional[torch.device] = None, rows: int = 64,
+def drift_report(model: torch.nn.Module, data: DataSource, *, loops: int | None = None, batch_size: int = 256,
+                 limit: int = 0, device: torch.device | None = None, rows: int = 64,
                  autocast: Callable[[], Any] = contextlib.nullcontext,
-                 curve: Optional[list[float]] = None) -> dict[str, Any]:
+                 curve: list[float] | None = None) -> dict[str, Any]:
     """The drift diagnostics of `model` at r = `loops` (default: its trained loops × supervision steps) on `data`'s
     test split (the first `limit` rows; 0: all): the metric after every loop up to 4r, the state and read-out change
     per loop and the spectral radius (on the first `rows` test rows), the verdict. results.json's "drift".

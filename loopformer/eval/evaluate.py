@@ -21,7 +21,8 @@ Shapes: R loops, N test rows.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from loopformer.model.recursion import step_exits
 from loopformer.sources import DataSource
 
 
-def check_eval_args(loops: Optional[int] = None, max_loops: Optional[int] = None, batch_size: int = 1,
+def check_eval_args(loops: int | None = None, max_loops: int | None = None, batch_size: int = 1,
                     limit: int = 0, trained: int = 0) -> None:
     """One-line UserErrors for evaluation arguments out of range (None: the default). `trained`: the model's
     trained loop count (raises the cap to 2 × trained when that exceeds MAX_LOOPS)."""
@@ -110,8 +111,8 @@ def step_halted_metrics(model: torch.nn.Module, data: DataSource, loops: int, st
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] = None, max_loops: Optional[int] = None,
-             batch_size: int = 256, limit: int = 0, loopwise: bool = True, device: Optional[torch.device] = None,
+def evaluate(model: torch.nn.Module, data: DataSource, *, loops: int | None = None, max_loops: int | None = None,
+             batch_size: int = 256, limit: int = 0, loopwise: bool = True, device: torch.device | None = None,
              autocast: Callable[[], Any] = contextlib.nullcontext, progress: bool = False,
              votes: int = 0, step_halt: float = 0.5) -> dict[str, Any]:
     """Metrics of `model` on `data`'s test split at `loops` (default: the model's supervision_steps × loops), plus
@@ -138,8 +139,8 @@ def evaluate(model: torch.nn.Module, data: DataSource, *, loops: Optional[int] =
 
 
 @torch.no_grad()
-def fixed_depth(raw: torch.nn.Module, data: DataSource, *, loops: Optional[int], max_loops: Optional[int],
-                batch_size: int, limit: int, loopwise: bool, device: Optional[torch.device],
+def fixed_depth(raw: torch.nn.Module, data: DataSource, *, loops: int | None, max_loops: int | None,
+                batch_size: int, limit: int, loopwise: bool, device: torch.device | None,
                 autocast: Callable[[], Any], progress: bool, votes: int, step_halt: float) -> dict[str, Any]:
     """`evaluate` on arguments already checked (`raw`: the model itself, not a wrapper)."""
     cfg = raw.config
@@ -181,7 +182,7 @@ def headline(result: dict[str, Any]) -> float:
 
 
 def format_results(metric: str, metrics: dict, loopwise: list[dict], trained: int,
-                   stepwise: Optional[list[dict]] = None) -> str:
+                   stepwise: list[dict] | None = None) -> str:
     """The test metrics on one line, then the headline metric after every loop with the trained r marked (and after
     every supervision step when the model was trained with deep supervision)."""
     lines = ["test: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,7 +55,7 @@ def _timed(fn, clock: dict[str, float], name: str, device: torch.device):
 
 
 def side_by_side(forwards: dict[str, Any], data: DataSource, batch_size: int, limit: int, device: torch.device,
-                 progress: bool, out_dim: int = 1) -> dict[str, tuple[dict[str, float], Optional[np.ndarray]]]:
+                 progress: bool, out_dim: int = 1) -> dict[str, tuple[dict[str, float], np.ndarray | None]]:
     """For each named forward `f(x, positions) -> LoopOutput` (x the inputs of a test batch, positions [b,T] the
     counted positions: `DataSource.counted`, e.g. a token task's supervised ones), its metrics on the test split
     and the exit loop of every counted unit (a row, or a counted token when `exit_loops` is per token; None without
@@ -79,8 +80,8 @@ def side_by_side(forwards: dict[str, Any], data: DataSource, batch_size: int, li
 
 @torch.no_grad()
 def evaluate_halting(model: torch.nn.Module, data: DataSource, rules: Sequence[HaltRule | str], *,
-                     loops: Optional[int] = None, batch_size: int = 256, limit: int = 0,
-                     device: Optional[torch.device] = None, progress: bool = False) -> dict[str, Any]:
+                     loops: int | None = None, batch_size: int = 256, limit: int = 0,
+                     device: torch.device | None = None, progress: bool = False) -> dict[str, Any]:
     """Fixed depth (R = `loops`, default the depth `evaluate` runs: the trained r times the supervision steps) and
     each rule, side by side on `data`'s test split (a rule with its own `max` runs up to it when `loops` is not
     given).
@@ -101,7 +102,7 @@ def parse_rules(rules: Sequence[HaltRule | str]) -> list[HaltRule]:
     return [HaltRule.parse(r) if isinstance(r, str) else r for r in rules]
 
 
-def check_halting_args(trained: int, rules: Sequence[HaltRule], loops: Optional[int], batch_size: int,
+def check_halting_args(trained: int, rules: Sequence[HaltRule], loops: int | None, batch_size: int,
                        limit: int) -> None:
     """One-line UserErrors for `evaluate_halting`'s arguments (each rule's own `max` when `loops` is not given),
     for a model trained with `trained` loops (supervision steps × r)."""
@@ -113,7 +114,7 @@ def check_halting_args(trained: int, rules: Sequence[HaltRule], loops: Optional[
 
 @torch.no_grad()
 def rules_side_by_side(raw: torch.nn.Module, data: DataSource, parsed: Sequence[HaltRule], *,
-                       loops: Optional[int], batch_size: int, limit: int, device: Optional[torch.device],
+                       loops: int | None, batch_size: int, limit: int, device: torch.device | None,
                        progress: bool) -> dict[str, Any]:
     """`evaluate_halting` on arguments already checked (`raw`: the model itself, not a wrapper)."""
     R = int(loops or raw.config.total_loops)
@@ -146,7 +147,7 @@ def rules_side_by_side(raw: torch.nn.Module, data: DataSource, parsed: Sequence[
             "fixed": {"metrics": res["fixed"][0], "wall_s": clock["fixed"]}, "rules": out_rules}
 
 
-def sweep_rules(criteria: Sequence[str], max_loops: Optional[int] = None) -> list[HaltRule]:
+def sweep_rules(criteria: Sequence[str], max_loops: int | None = None) -> list[HaltRule]:
     """The sweep's rules: every threshold of `SWEEP_THRESHOLDS` for each criterion."""
     rules = []
     for c in criteria:
@@ -157,8 +158,8 @@ def sweep_rules(criteria: Sequence[str], max_loops: Optional[int] = None) -> lis
     return rules
 
 
-def halting_sweep(model: torch.nn.Module, data: DataSource, criteria: Sequence[str], *, loops: Optional[int] = None,
-                  batch_size: int = 256, limit: int = 0, device: Optional[torch.device] = None,
+def halting_sweep(model: torch.nn.Module, data: DataSource, criteria: Sequence[str], *, loops: int | None = None,
+                  batch_size: int = 256, limit: int = 0, device: torch.device | None = None,
                   progress: bool = False) -> dict[str, Any]:
     """`evaluate_halting` over the sweep's thresholds for each criterion (`criteria`; "gate" only for a model with
     an exit gate), plus the fixed-depth curve: the metric after every loop t = 1..R ("fixed_curve"; R = `loops`,
@@ -170,8 +171,8 @@ def halting_sweep(model: torch.nn.Module, data: DataSource, criteria: Sequence[s
 
 
 @torch.no_grad()
-def threshold_sweep(raw: torch.nn.Module, data: DataSource, criteria: Sequence[str], *, loops: Optional[int],
-                    batch_size: int, limit: int, device: Optional[torch.device], progress: bool) -> dict[str, Any]:
+def threshold_sweep(raw: torch.nn.Module, data: DataSource, criteria: Sequence[str], *, loops: int | None,
+                    batch_size: int, limit: int, device: torch.device | None, progress: bool) -> dict[str, Any]:
     """`halting_sweep` on arguments already checked (`raw`: the model itself, not a wrapper)."""
     R = int(loops or raw.config.total_loops)
     crits = [c for c in criteria if c != "gate" or raw.exit_gate is not None]
@@ -185,7 +186,7 @@ def threshold_sweep(raw: torch.nn.Module, data: DataSource, criteria: Sequence[s
     return res
 
 
-def best_rule(res: dict[str, Any], max_loss: float = 0.005) -> Optional[dict[str, Any]]:
+def best_rule(res: dict[str, Any], max_loss: float = 0.005) -> dict[str, Any] | None:
     """The rule with the fewest mean loops whose metric is at most `max_loss` worse than fixed depth (below it, or
     above it for a metric where lower is better; None: none)."""
     m, sign = res["metric"], 1.0 if res.get("higher_is_better", True) else -1.0
@@ -209,7 +210,7 @@ def format_halting(res: dict[str, Any]) -> str:
 
 def sweep_plot(res: dict[str, Any], path: str, title: str = "") -> None:
     """Accuracy (the headline metric) against mean loops: one line per criterion, the fixed-depth curve beside."""
-    import matplotlib                                 # heavy: only for plots
+    import matplotlib  # heavy: only for plots
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     m = res["metric"]

@@ -12,7 +12,8 @@ halting rules (unless a rule has its own `max`) and the sweep run it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ def check_eval_config(cfg: EvalConfig, trained: int) -> None:
 
 @torch.no_grad()
 def evaluate_all(model: torch.nn.Module, data: DataSource, cfg: EvalConfig, *, loopwise: bool = True,
-                 extras: bool = True, device: Optional[torch.device] = None,
+                 extras: bool = True, device: torch.device | None = None,
                  autocast: Callable[[], Any] = contextlib.nullcontext, progress: bool = False) -> dict[str, Any]:
     """`model` on `data`'s test split as `cfg` asks: `evaluate`'s result (metrics at r, the loop-wise curve up to
     `cfg.max_loops`, default 2r, unless `loopwise` or `cfg.loopwise` is off), and with `extras` also "halting"

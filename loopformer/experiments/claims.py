@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from loopformer.configio import load_config, shipped_config
 from loopformer.errors import UserError
@@ -71,7 +71,7 @@ class Claim:
     unit: str = "%"
     quick: bool = True                # part of --quick
     cpu: Experiment = field(default_factory=Experiment)
-    gpu: Optional[Experiment] = None  # --scale paper: the paper-scale configs
+    gpu: Experiment | None = None  # --scale paper: the paper-scale configs
     rule: Rule = field(default_factory=Rule)
     docs: str = ""                    # the page that discusses it
 
@@ -113,12 +113,12 @@ class Registry:
                                      f"common overrides ({c.id})")
 
 
-def load_registry(path: Optional[str] = None) -> Registry:
+def load_registry(path: str | None = None) -> Registry:
     """The shipped registry (`configs/claims.yaml`), or the YAML file at `path`."""
     return load_config(Registry, path or shipped_config("claims.yaml"))
 
 
-def select(registry: Registry, ids: Optional[list[str]] = None, quick: bool = False) -> list[Claim]:
+def select(registry: Registry, ids: list[str] | None = None, quick: bool = False) -> list[Claim]:
     """The claims named by `ids` (all; under --quick those marked quick), in registry order; an unknown id is a
     one-line error."""
     known = {c.id: c for c in registry.claims}
@@ -174,7 +174,7 @@ def diff_label(rule: Rule, higher_is_better: bool, metric: str = "") -> str:
     return f"{rule.b} − {rule.a} ({metric + ': ' if metric else ''}lower is better)"
 
 
-def verdict(rule: Rule, a: list[float], b: Optional[list[float]] = None, higher_is_better: bool = True) -> Verdict:
+def verdict(rule: Rule, a: list[float], b: list[float] | None = None, higher_is_better: bool = True) -> Verdict:
     """Apply `rule` to arm a's per-seed values (and arm b's, paired by seed) — see the module docstring."""
     if not a or (rule.kind == "paired" and (b is None or len(b) != len(a))):
         return Verdict("not run", [], float("nan"), float("nan"), float("nan"), "no finished runs")

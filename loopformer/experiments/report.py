@@ -30,7 +30,7 @@ import math
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from loopformer.errors import UserError
 from loopformer.eval.budgets import budgets_plot
@@ -185,7 +185,7 @@ def configs_table(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def paired_table(runs: list[dict]) -> Optional[str]:
+def paired_table(runs: list[dict]) -> str | None:
     """Markdown: looped and TMLT runs paired by seed within one configuration (the folder name without its `seed=`
     and `timestep=` parts, the task and r): each model's median [min–max] and the paired differences TMLT − looped,
     with how many seeds the TMLT is at or ahead of its looped twin (higher accuracy, lower error). None when no
@@ -226,7 +226,7 @@ def _budget_groups(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return groups
 
 
-def budgets_table(runs: list[dict]) -> Optional[str]:
+def budgets_table(runs: list[dict]) -> str | None:
     """Markdown: for the runs evaluated over loop budgets (results.json "budgets", `eval.budgets`), one row per
     (task, configuration) and one column per budget R: the metric when run with R loops, median [min–max] over
     its seeds; then the same for each run. None when no run has budgets."""
@@ -254,7 +254,7 @@ def budgets_table(runs: list[dict]) -> Optional[str]:
     return "\n".join(lines) + "\n"
 
 
-def plot_budgets(runs: list[dict], path: str | os.PathLike) -> Optional[Path]:
+def plot_budgets(runs: list[dict], path: str | os.PathLike) -> Path | None:
     """The median over seeds of the metric when run with each budget, one line per configuration."""
     groups = _budget_groups(runs)
     if not groups:
@@ -290,7 +290,7 @@ def _scale(metric: str):
 
 def plot_loops(runs: list[dict], path: str | os.PathLike) -> Path:
     """The metric against r, one line per variant, the standard Transformer(s) as dashed levels."""
-    import matplotlib   # heavy: imported only when a plot is drawn
+    import matplotlib  # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -305,7 +305,7 @@ def plot_loops(runs: list[dict], path: str | os.PathLike) -> Path:
             if pts:
                 ax.plot([p[0] for p in pts], [sc(p[1]) for p in pts], marker="o", color=colors[variant],
                         label=VARIANT_TITLES[variant])
-        for i, ((var, s), v) in enumerate(sorted((k, v) for k, v in t["cells"].items() if k[0] == "standard")):
+        for i, ((_var, s), v) in enumerate(sorted((k, v) for k, v in t["cells"].items() if k[0] == "standard")):
             ax.axhline(sc(_mean(v)), color="gray", linestyle="--" if i == 0 else ":", label=f"Standard L={s}")
         loops = sorted({s for (var, s) in t["cells"] if var != "standard"})
         if loops and max(loops) / max(min(loops), 1) >= 4:
@@ -324,9 +324,9 @@ def plot_loops(runs: list[dict], path: str | os.PathLike) -> Path:
     return path
 
 
-def plot_loopwise(runs: list[dict], path: str | os.PathLike) -> Optional[Path]:
+def plot_loopwise(runs: list[dict], path: str | os.PathLike) -> Path | None:
     """The metric after each loop t of every looped run, its trained r marked; None when no run has a curve."""
-    import matplotlib   # heavy: imported only when a plot is drawn
+    import matplotlib  # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -361,7 +361,7 @@ def plot_loopwise(runs: list[dict], path: str | os.PathLike) -> Optional[Path]:
     return path
 
 
-def halting_table(runs: list[dict]) -> Optional[str]:
+def halting_table(runs: list[dict]) -> str | None:
     """One row per (run, halting rule) of the runs evaluated with `eval.halt` (None when no run was)."""
     rows = [r for r in runs if r.get("halting")]
     if not rows:
@@ -379,7 +379,7 @@ def halting_table(runs: list[dict]) -> Optional[str]:
     return "\n".join(lines) + "\n"
 
 
-def generalisation_table(runs: list[dict], data_dir: Optional[str] = None, task_opts: Optional[dict] = None,
+def generalisation_table(runs: list[dict], data_dir: str | None = None, task_opts: dict | None = None,
                          device: str = "auto", limit: int = 0) -> str:
     """Markdown: every run evaluated at its trained r on other data (a dataset folder `data_dir`, or its task with
     `task_opts` changed: `loopformer.eval.commands.evaluate_checkpoint`) next to its own test split; one row per
@@ -414,8 +414,8 @@ def generalisation_table(runs: list[dict], data_dir: Optional[str] = None, task_
     return "\n".join(lines) + "\n"
 
 
-def write_report(folder: str | os.PathLike, out: Optional[str | os.PathLike] = None,
-                 data_dir: Optional[str] = None, task_opts: Optional[dict] = None, device: str = "auto",
+def write_report(folder: str | os.PathLike, out: str | os.PathLike | None = None,
+                 data_dir: str | None = None, task_opts: dict | None = None, device: str = "auto",
                  limit: int = 0) -> dict[str, Any]:
     """Write table.md, table.csv, runs.csv, loops.png, loopwise.png (and halting.md, budgets.md / .png) into `out`
     (default: `folder`); with `data_dir` or `task_opts` also generalisation.md (`generalisation_table`)."""

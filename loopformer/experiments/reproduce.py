@@ -26,14 +26,22 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from loopformer.configio import shipped_config
 from loopformer.errors import UserError
-from loopformer.experiments.claims import (Claim, Experiment, diff_label, load_registry, median_range, metric_value,
-                                          select, verdict)
+from loopformer.experiments.claims import (
+    Claim,
+    Experiment,
+    diff_label,
+    load_registry,
+    median_range,
+    metric_value,
+    select,
+    verdict,
+)
 from loopformer.experiments.sweep import RunSpec, run_specs
 from loopformer.fileio import check_owned_folder, write_figure, write_json, write_text
 from loopformer.sources import source_class
@@ -64,7 +72,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9=.,_-]+", "-", text).strip("-")
 
 
-def experiment_of(claim: Claim, scale: str) -> Optional[Experiment]:
+def experiment_of(claim: Claim, scale: str) -> Experiment | None:
     return claim.cpu if scale == "cpu" else claim.gpu
 
 
@@ -73,7 +81,7 @@ def _expand(items: list[str], data: Path) -> list[str]:
 
 
 def plan(claims: list[Claim], out: Path, scale: str = "cpu", quick: bool = False,
-         seeds: Optional[int] = None) -> list[PlannedRun]:
+         seeds: int | None = None) -> list[PlannedRun]:
     """The training runs the claims need — the arms each claim's rule compares, for each seed (theory claims need
     none) — each once."""
     runs: dict[Path, PlannedRun] = {}
@@ -150,7 +158,7 @@ def run_theory(out: Path, progress: bool) -> dict[str, Any]:
     path = out / "runs" / "theory" / "results.json"
     if path.is_file():
         return read_results(path.parent)
-    from loopformer.theory.verify import format_table, run_verify   # heavy: only when a theory claim is asked
+    from loopformer.theory.verify import format_table, run_verify  # heavy: only when a theory claim is asked
 
     t0 = time.perf_counter()
     rows = run_verify(progress=progress)
@@ -183,7 +191,7 @@ def _mr(vals: list[float], claim: Claim, signed: bool = False) -> str:
     return f"{_fmt(med, claim, signed)} [{_fmt(lo, claim, signed)} – {_fmt(hi, claim, signed)}]"
 
 
-def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: Optional[dict]) -> dict[str, Any]:
+def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: dict | None) -> dict[str, Any]:
     """One claim's numbers and verdict from its finished runs (a run not finished counts as missing)."""
     if claim.kind == "theory":
         vals = [] if theory is None else [metric_value(theory, claim.metric)]
@@ -288,13 +296,13 @@ def claim_section(j: dict, scale: str) -> str:
     return "\n".join(out)
 
 
-def plot_claim(j: dict, path: Path) -> Optional[Path]:
+def plot_claim(j: dict, path: Path) -> Path | None:
     """Each arm's per-seed values (dots) and median (bar)."""
     c = j["claim"]
     arms = [a for a in j["arms"] if a["values"]]
     if not arms or c.kind != "train":
         return None
-    import matplotlib                                 # heavy: only for plots
+    import matplotlib  # heavy: only for plots
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(arms), 3.2))
@@ -368,11 +376,11 @@ def export(out: Path, dest: Path) -> Path:
 
 
 # ------------------------------------------------------------------ the command
-def reproduce(claim_ids: Optional[list[str]] = None, *, quick: bool = False, seeds: Optional[int] = None,
+def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds: int | None = None,
               jobs: int = 2, threads: int = 1, out: str | os.PathLike = "reproduce", scale: str = "cpu",
-              registry: Optional[str] = None, progress: bool = True, dry_run: bool = False,
-              readme: Optional[str] = None, command: str = "loopformer reproduce",
-              export_to: Optional[str] = None) -> dict[str, Any]:
+              registry: str | None = None, progress: bool = True, dry_run: bool = False,
+              readme: str | None = None, command: str = "loopformer reproduce",
+              export_to: str | None = None) -> dict[str, Any]:
     """Plan, estimate, run what is missing, judge and report (see the module docstring). Returns {"judged",
     "files", "estimate", "ran"}; with `dry_run` (or --scale paper without CUDA) only the plan and estimate."""
     if scale not in ("cpu", "paper"):

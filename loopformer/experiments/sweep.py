@@ -28,7 +28,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from tqdm.auto import tqdm
 
@@ -53,7 +52,7 @@ class RunSpec:
     steps: int = 1
     baseline: bool = False
     extra: dict = field(default_factory=dict)
-    config: Optional[str] = None      # the run's own config file (runs of several configs in one call: `run_specs`)
+    config: str | None = None      # the run's own config file (runs of several configs in one call: `run_specs`)
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -105,7 +104,7 @@ def expand(grid: list[tuple[str, list[str]]], baseline: list[str], out: Path) ->
     return specs
 
 
-def prepare_specs(config: Optional[str], specs: list[RunSpec], overrides: list[str]) -> None:
+def prepare_specs(config: str | None, specs: list[RunSpec], overrides: list[str]) -> None:
     """Check every run's config (a bad one fails before anything runs) and estimate its cost."""
     for s in specs:
         cfg = load_run_config(s.config or config, [*overrides, *s.overrides, f"out_dir={s.out_dir}",
@@ -127,7 +126,7 @@ def _progress_of(spec: RunSpec) -> int:
     return max(steps, default=0)
 
 
-def _command(config: Optional[str], spec: RunSpec, overrides: list[str], threads: int) -> list[str]:
+def _command(config: str | None, spec: RunSpec, overrides: list[str], threads: int) -> list[str]:
     cmd = [sys.executable, "-m", "loopformer.cli", "train"]
     extra = [f"threads={threads}"] if threads else []
     if resumable(spec.out_dir):
@@ -137,7 +136,7 @@ def _command(config: Optional[str], spec: RunSpec, overrides: list[str], threads
     return cmd + [*overrides, *spec.overrides, f"out_dir={spec.out_dir}", f"name={spec.name}", *extra, "--quiet"]
 
 
-def _run_inprocess(config: Optional[str], spec: RunSpec, overrides: list[str], threads: int,
+def _run_inprocess(config: str | None, spec: RunSpec, overrides: list[str], threads: int,
                    progress: bool) -> None:
     resume = resumable(spec.out_dir)
     if resume:
@@ -180,7 +179,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_sweep(config: Optional[str], grid: list[tuple[str, list[str]]], baseline: list[str], out: str | os.PathLike,
+def run_sweep(config: str | None, grid: list[tuple[str, list[str]]], baseline: list[str], out: str | os.PathLike,
               overrides: list[str] = (), jobs: int = 1, threads: int = 0, progress: bool = True,
               desc: str = "sweep") -> list[RunSpec]:
     """Run (or complete) a sweep; returns its runs. Raises UserError naming the runs that failed."""
@@ -195,7 +194,7 @@ def run_sweep(config: Optional[str], grid: list[tuple[str, list[str]]], baseline
     return specs
 
 
-def run_specs(specs: list[RunSpec], config: Optional[str] = None, overrides: list[str] = (), jobs: int = 1,
+def run_specs(specs: list[RunSpec], config: str | None = None, overrides: list[str] = (), jobs: int = 1,
               threads: int = 0, progress: bool = True, desc: str = "sweep", out: str | os.PathLike = ".") -> None:
     """Run (or complete) prepared runs (`prepare_specs`), each with its own config when it names one: finished runs are
     skipped, interrupted ones resumed; worker logs go to `out`/logs. Raises UserError naming the runs that

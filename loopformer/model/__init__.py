@@ -1,7 +1,7 @@
 """The model family: `ModelConfig`, presets, `LoopedTransformer` (standard / looped / TMLT), checkpoint I/O."""
 
-from loopformer.model.config import PRESETS, ModelConfig, preset
 from loopformer.model.cache import KVCache
+from loopformer.model.config import PRESETS, ModelConfig, preset
 from loopformer.model.looped import LoopedTransformer, LoopOutput
 
 __all__ = ["ModelConfig", "PRESETS", "preset", "LoopedTransformer", "LoopOutput", "KVCache"]

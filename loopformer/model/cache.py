@@ -16,8 +16,6 @@ k layers per block.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -66,7 +64,7 @@ class RunningKV:
     Rows that stop entirely leave the batch; `freeze_rows` then copies their deepest loop into every later slot.
     """
 
-    def __init__(self, cache: KVCache, rows: torch.Tensor, running: Optional[torch.Tensor], layers: int,
+    def __init__(self, cache: KVCache, rows: torch.Tensor, running: torch.Tensor | None, layers: int,
                  all_running: bool):
         self.cache, self.rows, self.running, self.layers = cache, rows, running, layers
         self.all_rows = rows.numel() == cache.k.shape[1]                        # rows = 0..B-1 (never reordered)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from loopformer.errors import UserError
 from loopformer.model.fixedpoint import check as check_fixed_point
@@ -35,24 +34,24 @@ class ModelConfig:
     input_dim: int = 0
     max_len: int = 1024               # learned positions available
     pos: str = "learned"              # "learned" | "none"
-    pos_factors: Optional[list[list[int]]] = None  # set by the task (task.position_factors): per factor, each
+    pos_factors: list[list[int]] | None = None  # set by the task (task.position_factors): per factor, each
                                       # position's index in it (Sudoku: row, column, box); L1 adds one learned
                                       # table per factor to the position's embedding
     # TF: the looped block
     d_model: int = 256
     n_heads: int = 4
-    head_dim: Optional[int] = None    # default d_model // n_heads
-    ffn_dim: Optional[int] = None     # default 4 * d_model
+    head_dim: int | None = None    # default d_model // n_heads
+    ffn_dim: int | None = None     # default 4 * d_model
     n_layers: int = 1                 # k layers per block (the standard Transformer: L layers, loops = 1)
     loops: int = 1                    # r: how often the block is applied (override per call with loops=)
     activation: str = "gelu"          # "gelu" (exact erf) | "gelu_tanh" | "relu" | "silu"
     norm: str = "rms"                 # pre-norm: "rms" | "none"
     norm_gain: bool = True            # learnable gain in the block's RMSNorms
-    norm_eps: Optional[float] = None  # None: machine epsilon of the dtype (torch.nn.RMSNorm's default)
+    norm_eps: float | None = None  # None: machine epsilon of the dtype (torch.nn.RMSNorm's default)
     bias: bool = False
     dropout: float = 0.0
     causal: bool = True
-    attn_scale: Optional[float] = None  # softmax scale; None = 1/sqrt(head_dim); large values approach hardmax
+    attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim); large values approach hardmax
     timestep: bool = False            # TMLT: α(t), γ(t) from the loop index (Eq. 12-15)
     timestep_freq_dim: int = 256      # width of the sinusoidal loop-index features PE(t)
     timestep_max_period: float = 10000.0
@@ -98,12 +97,12 @@ class ModelConfig:
                                       # (loopformer.model.halting.ExitGate); off: no extra weights
     # L2: read-out
     head: str = "lm"                  # "lm" (per-token logits) | "sequence" (pooled classes) | "regression"
-    n_out: Optional[int] = None       # default: vocab_size for "lm", 1 for "regression"
+    n_out: int | None = None       # default: vocab_size for "lm", 1 for "regression"
     pool: str = "mean"                # sequence head: "mean" | "last" | "first"
     final_norm: bool = True
     tie_embeddings: bool = False      # lm head shares the token embedding
     # memory options for deep loops
-    grad_loops: Optional[int] = None  # backpropagate through the last grad_loops loops only (truncated BPTT)
+    grad_loops: int | None = None  # backpropagate through the last grad_loops loops only (truncated BPTT)
     checkpoint: bool = False          # activation checkpointing per loop
     # compatibility with published checkpoints (see loopformer.model.convert)
     compat: str = "none"              # "none" | "authors": their LT quirk (v from un-normalised x, no MLP pre-norm)
@@ -205,7 +204,7 @@ class ModelConfig:
             return "tmlt"
         return "looped" if self.loops > 1 else "standard"
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -30,8 +30,8 @@ from loopformer.errors import UserError
 from loopformer.fileio import check_owned_folder
 from loopformer.model.config import ModelConfig
 from loopformer.model.io import CONFIG, WEIGHTS, save_checkpoint
-from loopformer.model.memory import check_fits, param_count
 from loopformer.model.looped import LoopedTransformer
+from loopformer.model.memory import check_fits, param_count
 
 SUPPORTED = ("lt", "tmlt")
 _ARGS = ("n_loop", "n_head", "n_embd", "block_size", "vocab_size")

@@ -22,14 +22,13 @@ Shapes: R loops, B batch, T length, D width, C outputs, k layers per block.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from loopformer.model.layers import PARAM_GROUPS, param_group
-
 
 
 def grad_norms(model: torch.nn.Module) -> dict[str, float]:
@@ -47,7 +46,7 @@ def grad_norms(model: torch.nn.Module) -> dict[str, float]:
 
 
 @torch.no_grad()
-def modulation_stats(model: torch.nn.Module, loops: int) -> Optional[dict[str, list[float]]]:
+def modulation_stats(model: torch.nn.Module, loops: int) -> dict[str, list[float]] | None:
     """Per loop t = 1..loops: mean |γ1|, |γ2|, |α1|, |α2| over width and layers (None without timestep encoding)."""
     dev = next(model.parameters()).device
     mods = model.modulations(loops, dev)                                              # [R,k,4,D] | None
@@ -63,7 +62,7 @@ def modulation_stats(model: torch.nn.Module, loops: int) -> Optional[dict[str, l
 
 @torch.no_grad()
 def loop_dynamics(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, loops: int,
-                  weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                  weight: torch.Tensor | None = None, ignore_index: int = -100,
                   settle_tol: float = 1e-2) -> dict:
     """Per-loop measurements on one batch, in eval mode (no dropout, no RNG drawn).
 
@@ -113,7 +112,7 @@ def loop_dynamics(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
 
 
 def state_grad_norms(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, loops: int,
-                     weight: Optional[torch.Tensor] = None, ignore_index: int = -100) -> list[float]:
+                     weight: torch.Tensor | None = None, ignore_index: int = -100) -> list[float]:
     """‖∂L/∂h_t‖ for t = 1..loops (per row over T·D, mean over rows), L the loss of the read-out after the last loop
     (cross-entropy per supervised token, or weighted squared error), in eval mode (no dropout, no RNG drawn).
 
@@ -152,7 +151,7 @@ def summarize_settle(settle: list[int], loops: int) -> dict[str, float | list[in
             "settle_hist": hist.tolist()}
 
 
-def modulation_ablations(model: torch.nn.Module, loops: int) -> Optional[dict[str, torch.Tensor]]:
+def modulation_ablations(model: torch.nn.Module, loops: int) -> dict[str, torch.Tensor] | None:
     """One modulation [k,4,D] for every loop (None without timestep encoding):
 
         "averaged over loops"   the mean of [γ1, γ2, s1, s2](t) over the trained loops t = 0..loops-1

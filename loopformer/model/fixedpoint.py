@@ -74,8 +74,9 @@ Shapes: B batch, T length, D width, N = T·D per row, m history, R loops.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -101,8 +102,8 @@ class SolveInfo:
     solver: str
     iters: int
     residual: float
-    backward_iters: Optional[int] = None
-    backward_residual: Optional[float] = None
+    backward_iters: int | None = None
+    backward_residual: float | None = None
 
     def record(self) -> dict[str, Any]:
         """The log fields: solver_iters, solver_residual (and solver_backward_iters, solver_backward_residual)."""
@@ -122,7 +123,7 @@ class Backward:
     damping: float = 1.0
 
     @staticmethod
-    def parse(text: str) -> "Backward":
+    def parse(text: str) -> Backward:
         """"bptt" | "implicit" | "phantom:k" | "phantom:k:λ" (1 <= k <= MAX_ITER, 0 < λ <= 1); a ValueError naming
         solver_backward otherwise."""
         if text in ("bptt", "implicit"):
@@ -147,9 +148,9 @@ class _Best:
     """Each row's lowest-residual estimate F(x) so far, its residual ‖F(x) − x‖ / ‖F(x)‖ [B], and the trajectory
     of these estimates when asked for."""
 
-    def __init__(self, trace: Optional[list[torch.Tensor]], shape: torch.Size):
-        self.f: Optional[torch.Tensor] = None       # [B,N]
-        self.res: Optional[torch.Tensor] = None     # [B] float32
+    def __init__(self, trace: list[torch.Tensor] | None, shape: torch.Size):
+        self.f: torch.Tensor | None = None       # [B,N]
+        self.res: torch.Tensor | None = None     # [B] float32
         self.trace, self.shape = trace, shape
 
     def update(self, x: torch.Tensor, fx: torch.Tensor, tol: float) -> bool:
@@ -173,7 +174,7 @@ class _Best:
 
 
 def anderson(f: Map, x0: torch.Tensor, *, max_iter: int, tol: float, m: int = ANDERSON_HISTORY,
-             lam: float = ANDERSON_REG, trace: Optional[list[torch.Tensor]] = None
+             lam: float = ANDERSON_REG, trace: list[torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, int, float]:
     """Anderson acceleration of x <- f(x) from x0 [B,...]: (the estimate [B,...], applications of f, the worst row's
     relative residual). At most `max_iter` applications; stops once every row is within `tol`. `trace`: a list the
@@ -202,7 +203,7 @@ def anderson(f: Map, x0: torch.Tensor, *, max_iter: int, tol: float, m: int = AN
 
 
 def broyden(f: Map, x0: torch.Tensor, *, max_iter: int, tol: float, memory: int = BROYDEN_MEMORY,
-            trace: Optional[list[torch.Tensor]] = None) -> tuple[torch.Tensor, int, float]:
+            trace: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int, float]:
     """Limited-memory ("good") Broyden on g(x) = f(x) − x from x0 [B,...]: as `anderson`. The inverse-Jacobian
     estimate H = −I + Σ_j u_j v_jᵀ (per row) starts at −I (the first step is the plain step x <- f(x))."""
     shape, B = x0.shape, x0.shape[0]
@@ -256,7 +257,7 @@ def implicit(F: Map, x: torch.Tensor, solver: str, *, max_iter: int, tol: float,
 
     inside = [False]          # the vector-Jacobian products start at z too: the hook leaves their gradients alone
 
-    def adjoint(v: torch.Tensor) -> Optional[torch.Tensor]:
+    def adjoint(v: torch.Tensor) -> torch.Tensor | None:
         if inside[0]:
             return None
         vjp = lambda y: torch.autograd.grad(z, z0, y, retain_graph=True)[0] + v          # Jᵀy + v
@@ -284,7 +285,7 @@ def phantom(F: Map, x: torch.Tensor, steps: int, damping: float, ckpt: bool = Fa
 
 
 # ------------------------------------------------------------------------------------------------- the model's mode
-def loop_map(model, e: torch.Tensor, mask: Optional[torch.Tensor]) -> Map:
+def loop_map(model, e: torch.Tensor, mask: torch.Tensor | None) -> Map:
     """F(h) = TF(h + e, t*) of `model` (a LoopedTransformer) for read-in e [B,T,D]: [B,T,D] -> [B,T,D]; t* = r − 1
     under timestep modulation (see the module's docstring)."""
     mods = model.modulations(1, e.device, offset=model.config.loops - 1)                  # [1,k,4,D] | None
@@ -292,7 +293,7 @@ def loop_map(model, e: torch.Tensor, mask: Optional[torch.Tensor]) -> Map:
     return lambda h: model._block(h + e, mods_t, mask, None, 0)
 
 
-def initial_guess(e: torch.Tensor, cfg, training: bool, state: Optional[torch.Tensor]) -> torch.Tensor:
+def initial_guess(e: torch.Tensor, cfg, training: bool, state: torch.Tensor | None) -> torch.Tensor:
     """The solver's start [B,T,D]: a carried `state` (a warm start), else the start state's h_0 — 0 for "input"
     (F(0) = TF(e), the unrolled first loop) and "zeros", the noise start in training for "noise" — detached."""
     if state is not None:
@@ -301,9 +302,9 @@ def initial_guess(e: torch.Tensor, cfg, training: bool, state: Optional[torch.Te
     return (torch.zeros_like(e) if h0 is None else h0).detach()
 
 
-def fixed_point(model, e: torch.Tensor, mask: Optional[torch.Tensor], state: Optional[torch.Tensor], loops: int,
-                return_all: bool, row_loops: Optional[torch.Tensor]
-                ) -> tuple[torch.Tensor, Optional[list[torch.Tensor]], SolveInfo]:
+def fixed_point(model, e: torch.Tensor, mask: torch.Tensor | None, state: torch.Tensor | None, loops: int,
+                return_all: bool, row_loops: torch.Tensor | None
+                ) -> tuple[torch.Tensor, list[torch.Tensor] | None, SolveInfo]:
     """`LoopedTransformer.forward` under a solver: (h [B,T,D] the solution, with the gradient of `solver_backward`;
     with `return_all` the estimate after each of `loops` iterations; the solve's `SolveInfo`, also kept as
     `model.last_solve`). e: the read-in [B,T,D]; state: a warm start; loops: the call's loop count (the cap on the
@@ -318,7 +319,7 @@ def fixed_point(model, e: torch.Tensor, mask: Optional[torch.Tensor], state: Opt
                         f"keeps none (train on the final read-out)")
     F = loop_map(model, e, mask)
     max_iter = cfg.solver_max_iter or loops
-    trace: Optional[list[torch.Tensor]] = [] if return_all else None
+    trace: list[torch.Tensor] | None = [] if return_all else None
     with torch.no_grad():
         x, n, res = SOLVE[cfg.solver](F, initial_guess(e, cfg, model.training, state), max_iter=max_iter,
                                       tol=cfg.solver_tol, trace=trace)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -50,7 +49,7 @@ class HaltRule:
     criterion: str
     threshold: float
     patience: int = 1
-    max_loops: Optional[int] = None
+    max_loops: int | None = None
     min_loops: int = 1
 
     def __post_init__(self) -> None:
@@ -75,7 +74,7 @@ class HaltRule:
                 raise UserError(f"halting {name}={v} is beyond any loop count (at most {1 << 20:,})")
 
     @classmethod
-    def parse(cls, text: str) -> "HaltRule":
+    def parse(cls, text: str) -> HaltRule:
         """`CRITERION:THRESHOLD[,patience=K][,max=M][,min=N]`; `argmax:K` means patience K. Bad text: UserError."""
         s = str(text).strip()
         head, *opts = [p.strip() for p in s.split(",")]
@@ -115,7 +114,7 @@ class HaltRule:
         opts += [] if self.min_loops == 1 else [f"min={self.min_loops}"]
         return ",".join([head, *opts])
 
-    def with_threshold(self, threshold: float) -> "HaltRule":
+    def with_threshold(self, threshold: float) -> HaltRule:
         """The same rule at another threshold (argmax: another K)."""
         if self.criterion == "argmax":
             return replace(self, threshold=float(threshold), patience=int(threshold))
@@ -131,7 +130,7 @@ class HaltRule:
 
 
 # ------------------------------------------------------------------------------------------------- the scores
-def latent_change(h_prev: torch.Tensor, h: torch.Tensor, positions: Optional[torch.Tensor] = None,
+def latent_change(h_prev: torch.Tensor, h: torch.Tensor, positions: torch.Tensor | None = None,
                   per_token: bool = False) -> torch.Tensor:
     """‖h − h_prev‖ / ‖h_prev‖: per row over the positions in `positions` ([N,T] bool; None: all) -> [N], or per
     position (`per_token`) -> [N,T].  h_prev, h: [N,T,D]."""
@@ -160,7 +159,7 @@ def argmax_changed(logits_prev: torch.Tensor, logits: torch.Tensor) -> torch.Ten
     return (logits.argmax(-1) != logits_prev.argmax(-1)).float()
 
 
-def row_max(score: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+def row_max(score: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """max_{i∈P} score_i per row (P: `positions` [N,T] bool, None: all; a row without positions scores −inf,
     i.e. it is done).  [N,T] -> [N]."""
     if positions is None:
@@ -168,7 +167,7 @@ def row_max(score: torch.Tensor, positions: Optional[torch.Tensor] = None) -> to
     return score.masked_fill(~positions, float("-inf")).amax(-1)
 
 
-def row_mean(score: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+def row_mean(score: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """mean_{i∈P} score_i per row (P as in `row_max`; a row without positions gives 0).  [..., N,T] -> [..., N]."""
     if positions is None:
         return score.mean(-1)
@@ -181,9 +180,9 @@ def as_positions(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, None] if logits.dim() == 2 else logits
 
 
-def criterion_holds(rule: HaltRule, *, hidden: torch.Tensor, hidden_prev: Optional[torch.Tensor] = None,
-                    logits: Optional[torch.Tensor] = None, logits_prev: Optional[torch.Tensor] = None,
-                    stop_logits: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+def criterion_holds(rule: HaltRule, *, hidden: torch.Tensor, hidden_prev: torch.Tensor | None = None,
+                    logits: torch.Tensor | None = None, logits_prev: torch.Tensor | None = None,
+                    stop_logits: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                     per_token: bool = False) -> torch.Tensor:
     """Whether `rule`'s criterion holds after this loop: [N] bool per row, [N,T] per position (`per_token`).
 
@@ -247,7 +246,7 @@ class ExitGate(nn.Module):
     share their other initial weights).
     """
 
-    def __init__(self, d_model: int, init_bias: float = -4.0, eps: Optional[float] = None):
+    def __init__(self, d_model: int, init_bias: float = -4.0, eps: float | None = None):
         super().__init__()
         with torch.random.fork_rng(devices=[]):   # nn.Linear's own initialisation draws; reset_parameters does not
             self.proj = nn.Linear(d_model, 1)

@@ -8,8 +8,6 @@ Shapes: B batch, T length, D width, V vocabulary, C outputs.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 
@@ -29,7 +27,7 @@ class Embed(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.max_len = cfg.max_len
 
-    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # x: [B,T] ids or [B,T,input_dim] reals; positions: [B,T] or None (0..T-1) -> [B,T,D]
         h = self.tok(x) if self.tok is not None else self.read_in(x)
         if self.pos is not None or len(self.factors):
@@ -48,7 +46,7 @@ class Head(nn.Module):
         self.kind, self.pool = cfg.head, cfg.pool
         self.proj = nn.Linear(cfg.d_model, cfg.out_dim, bias=cfg.head != "lm")
 
-    def forward(self, h: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # h: [..., B, T, D] -> lm/regression: [..., B, T, C]; sequence: [..., B, C]
         if self.kind != "sequence":
             return self.proj(h)

@@ -27,8 +27,9 @@ import pickle
 import shutil
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -96,7 +97,7 @@ def safetensors_complete(path: Path) -> bool:
         return False
 
 
-def checkpoint_step(path: str | os.PathLike) -> Optional[int]:
+def checkpoint_step(path: str | os.PathLike) -> int | None:
     """The step of a complete checkpoint folder (-1 without training state), or None when it is incomplete."""
     p = Path(path)
     try:
@@ -126,7 +127,7 @@ def _stale(folder: Path) -> bool:
     return time.time() - newest > STALE_S
 
 
-def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
+def recover_checkpoint(path: str | os.PathLike) -> Path | None:
     """Repair a checkpoint swap cut short, then delete its leftovers.
 
     If `path` is missing (a kill between the two renames of `loopformer.fileio.replace_dir`) or incomplete, the
@@ -140,7 +141,7 @@ def recover_checkpoint(path: str | os.PathLike) -> Optional[Path]:
     if not hidden:
         return dest if dest.exists() else None
     if not dest.exists() or checkpoint_step(dest) is None:
-        best: Optional[tuple[int, Path]] = None
+        best: tuple[int, Path] | None = None
         for h in hidden:
             step = checkpoint_step(h)
             if step is not None and (best is None or step > best[0]):
@@ -169,9 +170,9 @@ def _write_errors(dest: Path) -> Iterator[None]:
                         f"is kept") from None
 
 
-def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: Optional[dict] = None,
-                    task: Optional[dict] = None, training_state: Optional[dict] = None,
-                    ema: Optional[torch.nn.Module] = None) -> Path:
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: dict | None = None,
+                    task: dict | None = None, training_state: dict | None = None,
+                    ema: torch.nn.Module | None = None) -> Path:
     """Write a checkpoint folder atomically (with `ema`, the averaged weights too); returns its path."""
     dest = Path(path)
     raw = unwrap(model)
@@ -270,7 +271,7 @@ def has_training_state(path: str | os.PathLike) -> bool:
     return (Path(path) / STATE).is_file()
 
 
-def load_training_state(path: str | os.PathLike) -> Optional[dict]:
+def load_training_state(path: str | os.PathLike) -> dict | None:
     """The training state of a checkpoint folder (None if it has none), loaded without unpickling code.
 
     Only tensors and plain values (dict, list, tuple, str, int, float, bool, None) are accepted

@@ -18,7 +18,7 @@ The published code's plain looped layer differs (values from the un-normalised x
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -29,14 +29,14 @@ from loopformer.model.config import ModelConfig
 from loopformer.model.stability import BranchOut, has_branch_out
 
 
-def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: Optional[float]) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class RMSNorm(nn.Module):
     """x / RMS(x), with an optional learnable gain (the authors' block norms have none)."""
 
-    def __init__(self, dim: int, gain: bool = True, eps: Optional[float] = None):
+    def __init__(self, dim: int, gain: bool = True, eps: float | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if gain else None
@@ -64,7 +64,7 @@ def _folded_gain(norm: nn.Module, s: torch.Tensor) -> torch.Tensor:
     return 1 + s if norm.weight is None else norm.weight * (1 + s)
 
 
-def make_norm(cfg: ModelConfig, gain: Optional[bool] = None) -> nn.Module:
+def make_norm(cfg: ModelConfig, gain: bool | None = None) -> nn.Module:
     if cfg.norm == "none":
         return nn.Identity()
     return RMSNorm(cfg.d_model, cfg.norm_gain if gain is None else gain, cfg.norm_eps)
@@ -111,11 +111,11 @@ class Attention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.causal = cfg.causal
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, slot: int = 0) -> torch.Tensor:
         return self.attend(self.qkv(x), mask, cache, slot)                     # qkv: [B,T,3·H·Dh]
 
-    def attend(self, qkv: torch.Tensor, mask: Optional[torch.Tensor], cache: Optional[KVCache],
+    def attend(self, qkv: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None,
                slot: int) -> torch.Tensor:
         """Attention of the projected q | k | v [B,T,3·H·Dh], then the output projection: [B,T,D]."""
         B, T, _ = qkv.shape
@@ -146,7 +146,7 @@ class Attention(nn.Module):
         scale = self.scale if self.scale is not None else self.dh ** -0.5
         return torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1) @ v          # [B,H,Tq,T] @ [B,H,T,Dh]
 
-    def attend_at(self, xn: torch.Tensor, at: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def attend_at(self, xn: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The attention output at the flattened positions `at` [N] of the B·T positions only: queries projected
         there, keys and values from every position of the query's row, then the output projection: [N,D]
         (what `forward` gives at those positions). xn: [B,T,D] the normalised input; mask: [B|1,1,T,S] bool."""
@@ -199,7 +199,7 @@ class Layer(nn.Module):
             self.modulation.bias.zero_()
             self.modulation.bias[:2 * d].fill_(gate_init)                                  # γ1, γ2
 
-    def loop_modulation(self, te: torch.Tensor) -> Optional[torch.Tensor]:
+    def loop_modulation(self, te: torch.Tensor) -> torch.Tensor | None:
         """[γ1, γ2, s1, s2] of every loop from SiLU(TE(t)) [R,D]: [R,4,D] ([R,B,D] -> [R,B,4,D] for times of their
         own per row; None without timestep encoding)."""
         if self.modulation is None:
@@ -214,14 +214,14 @@ class Layer(nn.Module):
             return Modulation(gate_attn, gate_mlp, _folded_gain(self.norm1, s1), _folded_gain(self.norm2, s2), True)
         return Modulation(gate_attn, gate_mlp, 1 + s1, 1 + s2, False)
 
-    def forward(self, x: torch.Tensor, mod: Union[torch.Tensor, Modulation, None] = None,
-                mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mod: torch.Tensor | Modulation | None = None,
+                mask: torch.Tensor | None = None, cache: KVCache | None = None, slot: int = 0) -> torch.Tensor:
         # x: [B,T,D]; mod: [4,D] (or [4,B,1,D], per row), this layer's modulation at this loop, or it `prepare`d
         m = None if mod is None else (mod if isinstance(mod, Modulation) else self.prepare(mod))
         return self._residuals(x, self.attn(self._norm1(x, m), mask, cache, slot), m)
 
-    def forward_at(self, x: torch.Tensor, at: torch.Tensor, mod: Union[torch.Tensor, Modulation, None] = None,
-                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward_at(self, x: torch.Tensor, at: torch.Tensor, mod: torch.Tensor | Modulation | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output at the flattened positions `at` [N] only — `forward(x)` there, [N,D] — for a last
         layer whose other positions nothing reads: the attention's queries, the output projection, the MLP and the
         residual run on N rows; keys and values still come from every position. mod: one modulation for all rows."""
@@ -229,11 +229,11 @@ class Layer(nn.Module):
         a = self.attn.attend_at(self._norm1(x, m), at, mask)                                 # [N,D]
         return self._residuals(x.flatten(0, 1).index_select(0, at), a, m)
 
-    def _norm1(self, x: torch.Tensor, m: Optional[Modulation]) -> torch.Tensor:
+    def _norm1(self, x: torch.Tensor, m: Modulation | None) -> torch.Tensor:
         """The attention's input: RMSN(x), or α1 ⊙ RMSN(x) under a modulation."""
         return self.norm1(x) if m is None else m.norm(self.norm1, x, m.alpha_attn)
 
-    def _residuals(self, x: torch.Tensor, a: torch.Tensor, m: Optional[Modulation]) -> torch.Tensor:
+    def _residuals(self, x: torch.Tensor, a: torch.Tensor, m: Modulation | None) -> torch.Tensor:
         """X' = X + (γ1 ⊙) a with a the attention output, then X' + (γ2 ⊙) FF((α2 ⊙) RMSN(X')); with a stabiliser
         each branch output passes its `BranchOut` (sandwich norm, scale c) before the add."""
         if self.post_attn is not None:
@@ -244,7 +244,7 @@ class Layer(nn.Module):
         x = torch.addcmul(x, m.gate_attn, a)
         return torch.addcmul(x, m.gate_mlp, self.mlp(m.norm(self.norm2, x, m.alpha_mlp)))
 
-    def _residuals_stabilised(self, x: torch.Tensor, a: torch.Tensor, m: Optional[Modulation]) -> torch.Tensor:
+    def _residuals_stabilised(self, x: torch.Tensor, a: torch.Tensor, m: Modulation | None) -> torch.Tensor:
         """`_residuals` with X' = X + (γ1 ⊙) c ⊙ RMSN(a) and X'' = X' + (γ2 ⊙) c ⊙ RMSN(FF(·)) (norms: sandwich)."""
         a = self.post_attn(a)
         x = x + a if m is None else torch.addcmul(x, m.gate_attn, a)
@@ -261,13 +261,13 @@ class AuthorsLoopedLayer(Layer):
         super().__init__(cfg)
         self.norm2 = nn.Identity()
 
-    def forward(self, x: torch.Tensor, mod: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mod: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, slot: int = 0) -> torch.Tensor:
         x = x + self.attn.attend(self._qkv(self.norm1(x), x), mask, cache, slot)
         return x + self.mlp(x)
 
-    def forward_at(self, x: torch.Tensor, at: torch.Tensor, mod: Optional[torch.Tensor] = None,
-                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward_at(self, x: torch.Tensor, at: torch.Tensor, mod: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` at the flattened positions `at` only: [N,D] (computed everywhere, then selected)."""
         return self.forward(x, mod, mask).flatten(0, 1).index_select(0, at)
 
@@ -344,7 +344,7 @@ class TimestepEmbedder(nn.Module):
         pe = timestep_features(t * self.scale if self.scale != 1.0 else t, self.freq_dim, self.max_period)
         return pe.to(self.mlp[0].weight.dtype)
 
-    def forward(self, t: torch.Tensor, step: Optional[torch.Tensor] = None) -> torch.Tensor:  # [...] -> [..., D]
+    def forward(self, t: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:  # [...] -> [..., D]
         if self.table is not None:
             return self.mlp(self.table(t.clamp(max=self.table.num_embeddings - 1)).to(self.mlp[0].weight.dtype))
         te = self.mlp(self._pe(t))

@@ -21,7 +21,6 @@ Annotations here are evaluated (no `from __future__ import annotations`): the Hu
 """
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -43,14 +42,14 @@ from loopformer.model.stability import perturb, start_state
 class LoopOutput:
     logits: torch.Tensor                         # [B,T,C] ([B,C] for a sequence head)
     hidden: torch.Tensor                         # [B,T,D] residual stream after the last loop (before norm/head)
-    all_logits: Optional[torch.Tensor] = None    # [R,B,T,C]: the read-out applied after every loop
-    all_hidden: Optional[torch.Tensor] = None    # [R,B,T,D]
+    all_logits: torch.Tensor | None = None    # [R,B,T,C]: the read-out applied after every loop
+    all_hidden: torch.Tensor | None = None    # [R,B,T,D]
     loops: int = 0                               # loops actually run (fewer than asked when halting early)
-    stop_logits: Optional[torch.Tensor] = None      # [B,T] the exit gate's stop logits after the last loop
-    exit_loops: Optional[torch.Tensor] = None       # with a halting rule: the loop each row [B] (per token: [B,T])
+    stop_logits: torch.Tensor | None = None      # [B,T] the exit gate's stop logits after the last loop
+    exit_loops: torch.Tensor | None = None       # with a halting rule: the loop each row [B] (per token: [B,T])
                                                     # stopped after, 1..R
-    all_stop_logits: Optional[torch.Tensor] = None  # [R,B,T] ... after every loop (with return_all)
-    solve: Optional[SolveInfo] = None               # the fixed-point mode: iterations and residual of the solve
+    all_stop_logits: torch.Tensor | None = None  # [R,B,T] ... after every loop (with return_all)
+    solve: SolveInfo | None = None               # the fixed-point mode: iterations and residual of the solve
 
 
 def unwrap(model: torch.nn.Module) -> "LoopedTransformer":
@@ -121,7 +120,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             n -= sum(p.numel() for name, p in self.embed.named_parameters() if name.startswith(("pos.", "factors.")))
         return n
 
-    def new_cache(self, batch_size: int, max_len: Optional[int] = None, loops: Optional[int] = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None, loops: int | None = None) -> KVCache:
         """An empty key/value cache with one slot per (loop, layer) for `loops` loops (default: config.loops)."""
         cfg = self.config
         if not cfg.causal:
@@ -145,7 +144,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return t.clamp(max=cfg.loops - 1) if cfg.timestep_past == "clamp" else t
 
     def loop_times(self, loops: int, device: torch.device, offset: int = 0,
-                   budget: Optional[int | torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   budget: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A budget-aware model's (`timestep_time="normalized"`) sinusoid arguments at loops offset..offset+R-1 of a
         run of `budget` loops (default offset + R; a tensor [B]: a budget per row): (r·t / budget, r / budget) —
         the time τ = t / budget and step Δt = 1 / budget in units of the trained r, so that at budget r the time is
@@ -161,7 +160,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return tau, (r / n).expand_as(tau)
 
     def modulations(self, loops: int, device: torch.device, offset: int = 0,
-                    budget: Optional[int | torch.Tensor] = None) -> Optional[torch.Tensor]:
+                    budget: int | torch.Tensor | None = None) -> torch.Tensor | None:
         """[γ1, γ2, s1, s2] for every loop and layer at once: [R, k, 4, D] (None without timestep encoding);
         loops offset..offset+R-1 (see `loop_indices`). A budget-aware model reads its times in a run of `budget`
         loops (`loop_times`); with a budget per row ([B]) the modulations are per row: [R, k, 4, B, 1, D]."""
@@ -175,13 +174,13 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return mods if te.dim() == 2 else mods.transpose(2, 3).unsqueeze(-2)           # ... | [R,k,4,B,1,D]
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, *, loops: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
-                return_all: bool = False, halt: Optional[HaltRule | str] = None,
-                halt_positions: Optional[torch.Tensor] = None, per_token: Optional[bool] = None,
-                state: Optional[torch.Tensor] = None, loop_offset: int = 0, read_at: Optional[torch.Tensor] = None,
-                read_loops: Optional[int] = None, budget: Optional[int] = None,
-                row_loops: Optional[torch.Tensor] = None, read_only: bool = False) -> LoopOutput:
+    def forward(self, x: torch.Tensor, *, loops: int | None = None, attn_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                return_all: bool = False, halt: HaltRule | str | None = None,
+                halt_positions: torch.Tensor | None = None, per_token: bool | None = None,
+                state: torch.Tensor | None = None, loop_offset: int = 0, read_at: torch.Tensor | None = None,
+                read_loops: int | None = None, budget: int | None = None,
+                row_loops: torch.Tensor | None = None, read_only: bool = False) -> LoopOutput:
         """Run L1, then the block `loops` times, then L2.
 
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
@@ -251,10 +250,10 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return self._read_out(h, states if return_all else None, attn_mask, R, read_at, read_loops)   # L2
 
     @torch.no_grad()
-    def halting_forward(self, x: torch.Tensor, halt: HaltRule | str, *, loops: Optional[int] = None,
-                        attn_mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
-                        cache: Optional[KVCache] = None, halt_positions: Optional[torch.Tensor] = None,
-                        per_token: Optional[bool] = None) -> LoopOutput:
+    def halting_forward(self, x: torch.Tensor, halt: HaltRule | str, *, loops: int | None = None,
+                        attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                        cache: KVCache | None = None, halt_positions: torch.Tensor | None = None,
+                        per_token: bool | None = None) -> LoopOutput:
         """Adaptive depth (inference): every row — in a causal model every token — loops until `halt` says it is
         done (`loopformer.model.halting`), at most R loops (`loops`, else the rule's max, else the model's).
 
@@ -364,7 +363,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         kv = DepthwiseKV(cache, t, cols, len(self.blocks), seen.shape[1])
         return self._block(x, mods, seen[:, None, None], kv, 0)
 
-    def prepare_rows(self, cache: KVCache) -> Optional[torch.Tensor]:
+    def prepare_rows(self, cache: KVCache) -> torch.Tensor | None:
         """What `loop_rows` looks up, made once per cache: the cache entries per (loop, row)
         (`DepthwiseKV.tables`) and [γ1, γ2, α1, α2] (α = 1 + s) of every loop and layer, [R,k·4,1,D], which it
         returns (None without timestep encoding)."""
@@ -379,14 +378,14 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return cache.row_mods
 
     @staticmethod
-    def _rows(mask: Optional[torch.Tensor], run: torch.Tensor, B: int) -> Optional[torch.Tensor]:
+    def _rows(mask: torch.Tensor | None, run: torch.Tensor, B: int) -> torch.Tensor | None:
         """The attention mask of the running rows (a mask shared by all rows stays as it is)."""
         if mask is None or mask.shape[0] == 1 or run.numel() == B:
             return mask
         return mask[run]
 
     # ------------------------------------------------------------------ forward's parts
-    def _check_call(self, x: torch.Tensor, loops: Optional[int], cache: Optional[KVCache]) -> int:
+    def _check_call(self, x: torch.Tensor, loops: int | None, cache: KVCache | None) -> int:
         """The loop count R of a call, after checking the call's arguments against each other and the model."""
         cfg = self.config
         R = cfg.loops if loops is None else int(loops)
@@ -401,7 +400,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return R
 
     @staticmethod
-    def _check_rows(x: torch.Tensor, row_loops: torch.Tensor, R: int, cache: Optional[KVCache]) -> torch.Tensor:
+    def _check_rows(x: torch.Tensor, row_loops: torch.Tensor, R: int, cache: KVCache | None) -> torch.Tensor:
         """`row_loops` as a [B] int64 tensor on x's device, after checking it against the call."""
         if cache is not None:
             raise UserError("row_loops (a loop count per row) cannot be combined with a key/value cache")
@@ -412,8 +411,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             raise UserError(f"row_loops must lie in 1..{R} (the call's loops)")
         return rows
 
-    def _positions(self, x: torch.Tensor, positions: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-                   past: int) -> Optional[torch.Tensor]:
+    def _positions(self, x: torch.Tensor, positions: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                   past: int) -> torch.Tensor | None:
         """Learned positions of the new tokens: given, counted from the first real token under left padding, or
         after the cached ones (None: 0..T-1)."""
         if positions is not None or not self.config.indexed_positions:
@@ -425,7 +424,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             return torch.arange(past, past + T, device=x.device)
         return None
 
-    def _mask(self, attn_mask: Optional[torch.Tensor], T: int, past: int, device) -> Optional[torch.Tensor]:
+    def _mask(self, attn_mask: torch.Tensor | None, T: int, past: int, device) -> torch.Tensor | None:
         """Boolean attention mask [B|1, 1, T, S] (True = may attend), or None for the fused causal/full path."""
         if attn_mask is None and past == 0:
             return None
@@ -440,8 +439,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             allowed = allowed & attn_mask.bool()[:, None, None, :]
         return allowed | (k == q)[None, None]   # a padded query still sees itself, so no row is empty
 
-    def _loop_modulations(self, loops: int, device: torch.device, cache: Optional[KVCache], offset: int = 0,
-                          budget: Optional[int | torch.Tensor] = None, prepared: bool = False):
+    def _loop_modulations(self, loops: int, device: torch.device, cache: KVCache | None, offset: int = 0,
+                          budget: int | torch.Tensor | None = None, prepared: bool = False):
         """`modulations` of this call; in generation (a cache, no gradients) computed once per cache, and with
         `prepared` as every layer applies them (`Layer.prepare`, [R][k]: no per-token work on the modulations)."""
         if cache is not None and not torch.is_grad_enabled():   # generation: same modulations for every token
@@ -454,8 +453,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             return cache.prepared
         return self.modulations(loops, device, offset, budget)
 
-    def _block(self, h: torch.Tensor, mods_t, mask: Optional[torch.Tensor],
-               cache: Optional[KVCache], t: int, at: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _block(self, h: torch.Tensor, mods_t, mask: torch.Tensor | None,
+               cache: KVCache | None, t: int, at: torch.Tensor | None = None) -> torch.Tensor:
         """TF(h, t): the block's k layers at loop t (layer i of loop t uses cache slot t·k + i); mods_t: [k,4,D] or
         the k layers' prepared `Modulation`s. With `at` [N] the last layer computes only those of the flattened
         B·T positions: [B,T,D] -> [N,D]."""
@@ -467,8 +466,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             h = blk(h, mod, mask, cache, t * k + i if cache is not None else 0)   # the slot: a cache's only
         return h
 
-    def _read_out(self, h: torch.Tensor, states: Optional[list[torch.Tensor]], attn_mask: Optional[torch.Tensor],
-                  ran: int, read_at: Optional[torch.Tensor] = None, read_loops: Optional[int] = None) -> LoopOutput:
+    def _read_out(self, h: torch.Tensor, states: list[torch.Tensor] | None, attn_mask: torch.Tensor | None,
+                  ran: int, read_at: torch.Tensor | None = None, read_loops: int | None = None) -> LoopOutput:
         """L2 after the last loop (and after each of the last `read_loops` loops when `states` holds them — all of
         them by default), at the positions `read_at` only when given; the final logits are the last loop's
         read-out. The exit gate's stop logits likewise when the model has one (per loop: not with `read_at`)."""

@@ -7,8 +7,6 @@ the residual stream after the last loop (before the final norm and the head), or
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from loopformer.errors import UserError
@@ -23,12 +21,12 @@ class EmbeddingMap:
     def apply(self, X: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_all(self, X: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+    def apply_all(self, X: torch.Tensor) -> dict[str, torch.Tensor | None]:
         """{"loops": [R,B,T,D'] the output after every loop (R = 1 for a plain map), "normed": [B,T,D'] the output
         after the final norm, or None where the map has none}."""
         return {"loops": self.apply(X)[None], "normed": None}
 
-    def normed_map(self) -> Optional["EmbeddingMap"]:
+    def normed_map(self) -> EmbeddingMap | None:
         """The same map read after the final norm (None where there is none)."""
         return None
 
@@ -37,7 +35,7 @@ class LoopedEmbeddingMap(EmbeddingMap):
     """A `LoopedTransformer` seen as X -> f(X): the read-in's output is replaced by X through a forward hook, so
     input injection and every loop see the perturbed embeddings exactly as they would see real ones."""
 
-    def __init__(self, model, loops: Optional[int] = None, output: str = "hidden"):
+    def __init__(self, model, loops: int | None = None, output: str = "hidden"):
         if output not in ("hidden", "normed"):
             raise UserError(f"output must be 'hidden' or 'normed' (got {output!r})")
         self.model = model.eval()
@@ -57,7 +55,7 @@ class LoopedEmbeddingMap(EmbeddingMap):
             handle.remove()
         return self.model.norm_f(out.hidden) if self.output == "normed" else out.hidden
 
-    def apply_all(self, X: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+    def apply_all(self, X: torch.Tensor) -> dict[str, torch.Tensor | None]:
         handle = self.model.embed.register_forward_hook(lambda mod, inp, out: X)
         try:
             dummy = torch.zeros(X.shape[:2], dtype=torch.long, device=X.device)
@@ -69,7 +67,7 @@ class LoopedEmbeddingMap(EmbeddingMap):
             return {"loops": self.model.norm_f(out.all_hidden), "normed": None}
         return {"loops": out.all_hidden, "normed": self.model.norm_f(out.hidden)}
 
-    def normed_map(self) -> Optional["LoopedEmbeddingMap"]:
+    def normed_map(self) -> LoopedEmbeddingMap | None:
         return None if self.output == "normed" else LoopedEmbeddingMap(self.model, self.loops, "normed")
 
 

@@ -24,8 +24,6 @@ Shapes: B batch, T length, D width, F MLP width, H heads, C outputs, R loops, S 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from loopformer.errors import UserError
@@ -41,7 +39,7 @@ def loop_cap(trained: int) -> int:
     return max(MAX_LOOPS, 2 * int(trained))
 
 
-def check_loops(loops: Optional[int], trained: int, name: str = "loops") -> None:
+def check_loops(loops: int | None, trained: int, name: str = "loops") -> None:
     """A one-line UserError unless 1 <= loops <= loop_cap(trained) (None: the default, accepted)."""
     cap = loop_cap(trained)
     if loops is not None and not 1 <= loops <= cap:
@@ -71,7 +69,7 @@ def param_count(cfg: ModelConfig) -> int:
     return int(n)
 
 
-def estimate(cfg: ModelConfig, *, batch: int, seq_len: Optional[int] = None, loops: Optional[int] = None,
+def estimate(cfg: ModelConfig, *, batch: int, seq_len: int | None = None, loops: int | None = None,
              training: bool = False, read_outs: int = 1, cache_len: int = 0, ema: bool = False,
              act_bytes: int = 4) -> dict[str, int]:
     """Bytes per part (see the module docstring) for one forward (and backward, `training`) of `batch` rows of
@@ -103,13 +101,13 @@ def available_bytes(device: torch.device | str = "cpu") -> int:
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    import psutil   # light, but only needed here
+    import psutil  # light, but only needed here
 
     return int(psutil.virtual_memory().available)
 
 
 def check_fits(parts: dict[str, int], device: torch.device | str = "cpu", what: str = "this run",
-               hint: str = "", budget: Optional[int] = None) -> int:
+               hint: str = "", budget: int | None = None) -> int:
     """Raise a one-line UserError when the parts' sum exceeds the memory available on `device` (or `budget`);
     returns the sum."""
     total = sum(parts.values())

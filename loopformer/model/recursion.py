@@ -25,12 +25,11 @@ Shapes: B batch, T length, D width, R loops per step, N steps, C classes.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import torch
 
-from loopformer.model.looped import unwrap
-from loopformer.model.looped import LoopOutput
+from loopformer.model.looped import LoopOutput, unwrap
 
 
 def step_offset(step_timestep: str, step: int, loops: int) -> int:
@@ -39,10 +38,10 @@ def step_offset(step_timestep: str, step: int, loops: int) -> int:
     return step * loops if step_timestep == "continue" else 0
 
 
-def supervision_steps(net: torch.nn.Module, x: torch.Tensor, steps: int, loops: Optional[int] = None, *,
-                      return_all: bool = False, detach: bool = True, read_at: Optional[torch.Tensor] = None,
-                      read_loops: Optional[int] = None,
-                      run_step: Optional[Callable[[int, Optional[torch.Tensor], int], LoopOutput]] = None
+def supervision_steps(net: torch.nn.Module, x: torch.Tensor, steps: int, loops: int | None = None, *,
+                      return_all: bool = False, detach: bool = True, read_at: torch.Tensor | None = None,
+                      read_loops: int | None = None,
+                      run_step: Callable[[int, torch.Tensor | None, int], LoopOutput] | None = None
                       ) -> Iterator[LoopOutput]:
     """The N = `steps` supervision steps of `loops` loops each (default: the model's r) on inputs x [B,T]: yields
     each step's output (logits [B,T,C], hidden [B,T,D]; with `return_all` every loop's read-out) in turn.
@@ -57,7 +56,7 @@ def supervision_steps(net: torch.nn.Module, x: torch.Tensor, steps: int, loops: 
     """
     cfg = unwrap(net).config
     R = int(loops or cfg.loops)
-    h: Optional[torch.Tensor] = None
+    h: torch.Tensor | None = None
     for s in range(int(steps)):
         offset = step_offset(cfg.step_timestep, s, R)
         if run_step is not None:

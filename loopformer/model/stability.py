@@ -32,7 +32,6 @@ Shapes: B batch, T length, D width.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -60,7 +59,7 @@ class BranchOut(nn.Module):
     """What a residual branch's output passes through before it is added: RMSN (sandwich norm) and the scale c
     (a constant, or LayerScale's learned vector).  [..., D] -> [..., D]."""
 
-    def __init__(self, cfg, norm: Optional[nn.Module] = None):
+    def __init__(self, cfg, norm: nn.Module | None = None):
         super().__init__()
         self.norm = norm if cfg.sandwich_norm else None     # the layer's RMSNorm class, made by the layer
         self.const = branch_constant(cfg.loop_scale, cfg.loops)
@@ -83,7 +82,7 @@ class BranchOut(nn.Module):
         return a * self.const if self.const != 1.0 else a
 
 
-def start_state(e: torch.Tensor, cfg, training: bool) -> Optional[torch.Tensor]:
+def start_state(e: torch.Tensor, cfg, training: bool) -> torch.Tensor | None:
     """h_0 of the loop for read-in `e` [B,T,D]: None for "input" (the loop starts from e itself), else the state to
     which e is injected before the first loop: zeros, or in training σ · RMS(e) · ε (at evaluation zeros)."""
     if cfg.start_state == "input":

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ class TaskConfig:
 
     name: str = "lcs"                 # a token task (edit_distance | lcs | sudoku | countdown) | icl | text
     options: dict[str, Any] = field(default_factory=dict)   # generator options, e.g. {length: 60}
-    data_dir: Optional[str] = None
+    data_dir: str | None = None
     n_train: int = 10000
     n_test: int = 1000
     seed: int = 0                     # data seed (independent of the model seed)
@@ -87,7 +88,7 @@ class DataSource:
     metric = "accuracy"               # the headline metric of result tables
     higher_is_better = True
     classifies = True                 # targets are token ids: training logs the accuracy of the argmax
-    n_train: Optional[int] = None     # rows per epoch (None: sampled on the fly)
+    n_train: int | None = None     # rows per epoch (None: sampled on the fly)
 
     @classmethod
     def handles(cls, name: str) -> bool:
@@ -104,7 +105,7 @@ class DataSource:
         raise NotImplementedError
 
     @classmethod
-    def epoch_rows(cls, cfg: TaskConfig) -> Optional[int]:
+    def epoch_rows(cls, cfg: TaskConfig) -> int | None:
         return None
 
     @classmethod
@@ -112,7 +113,7 @@ class DataSource:
         """The name of the task `cfg` serves (for a data folder: the one its manifest names)."""
         return cfg.name
 
-    def max_input_id(self) -> Optional[int]:
+    def max_input_id(self) -> int | None:
         """The largest token id in the test split's inputs (None: the inputs are not token ids)."""
         return None
 

@@ -10,7 +10,8 @@ windows, `loopformer.text.perplexity`).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -138,7 +139,7 @@ class SplitWindows(TextData):
     the windows' description (`method`, `windows`, `block_size`, `stride`, `min_context`, `ppl_over`). An
     evaluation source only: nothing trains on it, and `limit` does not apply (the whole split)."""
 
-    def __init__(self, corpus: TokenCorpus, split: str, block_size: int, stride: Optional[int] = None):
+    def __init__(self, corpus: TokenCorpus, split: str, block_size: int, stride: int | None = None):
         self.corpus = corpus
         self.eval_split = split
         self.tokens = corpus.tokens(split)

@@ -11,7 +11,8 @@ Tasks with symmetries (Sudoku): `augment` draws training rows under random symme
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,14 +71,14 @@ class TokenData(DataSource):
         return fields
 
     @classmethod
-    def epoch_rows(cls, cfg: TaskConfig) -> Optional[int]:
+    def epoch_rows(cls, cfg: TaskConfig) -> int | None:
         return cfg.n_train
 
     @classmethod
     def task_name(cls, cfg: TaskConfig) -> str:
         return cls.task_from(cfg).name
 
-    def max_input_id(self) -> Optional[int]:
+    def max_input_id(self) -> int | None:
         return int(np.max(self.test["inputs"])) if len(self.test["inputs"]) else None
 
     def __init__(self, cfg: TaskConfig):

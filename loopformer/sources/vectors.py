@@ -5,8 +5,9 @@ loop → 'mse' (mean over positions) and 'mse_last' (the last position).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch

@@ -15,7 +15,7 @@ A *vector task* (in-context learning) samples real-valued batches on the fly; se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +95,7 @@ class TokenTask:
         """Predictions [1+copies, N, T] on the `views` mapped back and combined into one [N, T] (a vote)."""
         raise NotImplementedError
 
-    def position_factors(self) -> Optional[list[list[int]]]:
+    def position_factors(self) -> list[list[int]] | None:
         """Optional: a factorisation of the positions, one list per factor giving each position's index in it (a
         grid task: row, column, box). With `task.position_factors` the model adds a learned embedding per factor
         to every position's (`ModelConfig.pos_factors`). None: the task has none."""

@@ -31,8 +31,16 @@ import numpy as np
 
 from loopformer.errors import UserError
 from loopformer.tasks.base import TokenTask, Vocab
-from loopformer.tasks.common import (answer_region, causal_targets, check_range, dataclass_options, exact_match,
-                                     make_rng, split_id, token_accuracy)
+from loopformer.tasks.common import (
+    answer_region,
+    causal_targets,
+    check_range,
+    dataclass_options,
+    exact_match,
+    make_rng,
+    split_id,
+    token_accuracy,
+)
 
 PAD, EOS, PLUS, MINUS, TIMES, DIV, EQ = 0, 1, 2, 3, 4, 5, 6
 NUM0 = 7

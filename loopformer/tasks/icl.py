@@ -227,7 +227,7 @@ def knn_baseline(xs: np.ndarray, ys: np.ndarray, k: int = 3) -> np.ndarray:
 
 def decision_tree_baseline(xs: np.ndarray, ys: np.ndarray, max_depth: int | None = 4) -> np.ndarray:
     """pred [B, n]: at position i, a CART regression tree (scikit-learn) fitted on pairs 0..i-1 (0 at i=0)."""
-    from sklearn.tree import DecisionTreeRegressor   # heavy (about half a second): imported only for this baseline
+    from sklearn.tree import DecisionTreeRegressor  # heavy (about half a second): imported only for this baseline
 
     xs = np.asarray(xs, dtype=np.float64)
     ys = np.asarray(ys, dtype=np.float64)

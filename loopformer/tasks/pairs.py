@@ -13,7 +13,6 @@ Shapes: N samples, T = seq_len (the longest possible row for the task's options)
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 from typing import ClassVar
 

@@ -29,6 +29,7 @@ import numpy as np
 from loopformer.tasks.base import IGNORE, TokenTask, Vocab
 from loopformer.tasks.common import check_range, dataclass_options, draw_in_split, exact_match, make_rng
 
+
 def chase(table: np.ndarray, start: np.ndarray, hops: int) -> np.ndarray:
     """[N, hops] the pointers f^1(s) … f^hops(s) of every row (table [N, m] with values in 0..m-1, start [N])."""
     out = np.empty((len(start), hops), dtype=np.int64)

@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loopformer.tasks.base import TokenTask, Vocab
-from loopformer.tasks.common import check_range, dataclass_options, draw_in_split, exact_match, make_rng
-from loopformer.tasks.common import token_accuracy
+from loopformer.tasks.common import check_range, dataclass_options, draw_in_split, exact_match, make_rng, token_accuracy
 
 
 @dataclass(frozen=True)

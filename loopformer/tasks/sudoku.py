@@ -29,7 +29,6 @@ import csv
 import io
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import numba
 import numpy as np
@@ -397,7 +396,7 @@ def count_solutions(grid, limit: int = 2) -> int:
     return int(count_solutions_nb(g, int(limit), np.zeros(81, np.int64), -1, 0))
 
 
-def solve(grid) -> Optional[np.ndarray]:
+def solve(grid) -> np.ndarray | None:
     """The first solution (int8 [81]) of a puzzle, or None if it has none."""
     g = np.asarray(grid, dtype=np.int64).reshape(81)
     sol = np.zeros(81, np.int64)
@@ -500,7 +499,7 @@ def augment(puzzles: np.ndarray, solutions: np.ndarray, rng: np.random.Generator
     return apply_symmetries(p, cells, relabel), apply_symmetries(s, cells, relabel)
 
 
-def vote(preds: np.ndarray, scores: Optional[np.ndarray] = None) -> np.ndarray:
+def vote(preds: np.ndarray, scores: np.ndarray | None = None) -> np.ndarray:
     """Per-cell majority vote over K predictions of the same grids: preds [K, N, 81] digits -> [N, 81].
 
     Ties go to the digit with the larger summed `scores` [K, N, 81] (e.g. each prediction's probability), then to
@@ -623,7 +622,7 @@ class SudokuTask(TokenTask):
     below it), `rating_runs` (randomised solves averaged by the rating).
     """
 
-    blanks: Optional[int] = None
+    blanks: int | None = None
     min_difficulty: float = 0.0
     rating_runs: int = 4
 
@@ -715,7 +714,7 @@ class SudokuTask(TokenTask):
         out = digits_to_ids(apply_symmetries(d, cells, relabel)).astype(x.dtype)
         return out.reshape(1 + copies, n, 81), (cells, relabel)
 
-    def unview(self, preds: np.ndarray, symmetries: tuple, scores: Optional[np.ndarray] = None) -> np.ndarray:
+    def unview(self, preds: np.ndarray, symmetries: tuple, scores: np.ndarray | None = None) -> np.ndarray:
         """Predictions on the `views` (ids [1+K, N, 81]) mapped back to the puzzles' frame and voted per cell
         (`vote`; `scores` [1+K, N, 81] break ties): ids [N, 81]."""
         P = np.asarray(preds)

@@ -30,8 +30,7 @@ import numpy as np
 
 from loopformer.errors import UserError
 from loopformer.tasks.base import TokenTask, Vocab
-from loopformer.tasks.common import check_range, dataclass_options, draw_in_split, exact_match, make_rng
-from loopformer.tasks.common import token_accuracy
+from loopformer.tasks.common import check_range, dataclass_options, draw_in_split, exact_match, make_rng, token_accuracy
 
 
 def _parity(p: tuple[int, ...]) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 from loopformer.commandline import add_device, add_group, add_halt, add_quiet
 from loopformer.errors import UserError
@@ -86,7 +85,7 @@ def _prepare(args) -> int:
     return 0
 
 
-def checkpoint_data_dir(path: str) -> Optional[str]:
+def checkpoint_data_dir(path: str) -> str | None:
     """The corpus folder a text checkpoint was trained on (recorded under "task" in its config.json)."""
     _, extra = read_config(path)
     task = extra.get("task") or {}

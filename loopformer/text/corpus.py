@@ -37,20 +37,26 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
-from loopformer.fileio import read_manifest as read_json_manifest
 from loopformer.fileio import check_owned_folder, remove_stale_temps, write_with
+from loopformer.fileio import read_manifest as read_json_manifest
+from loopformer.text.tokenizers import (
+    TOKENIZER_FILE,
+    ByteBPETokenizer,
+    GPT2Tokenizer,
+    Tokenizer,
+    load_tokenizer,
+    token_dtype,
+)
 from loopformer.version import __version__
-from loopformer.text.tokenizers import (TOKENIZER_FILE, ByteBPETokenizer, GPT2Tokenizer, Tokenizer, load_tokenizer,
-                                        token_dtype)
 
 MANIFEST = "manifest.json"
 FORMAT = "loopformer-text/1"
@@ -273,7 +279,7 @@ def resolve_source(source: str, opts: PrepareOptions) -> Source:
 
 # ------------------------------------------------------------------------------------------------------ perturbation
 def perturb_tokens(tokens: np.ndarray, rate: float, vocab_size: int, seed: int,
-                   protect: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+                   protect: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Replace `round(rate * n)` tokens, chosen uniformly without replacement, by a different uniform token.
 
     tokens [N] ints; `protect` (the EOT id) is never chosen for replacement nor used as a replacement, so the
@@ -360,12 +366,12 @@ def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def verify_corpus(folder: str | os.PathLike, manifest: Optional[dict] = None) -> list[str]:
+def verify_corpus(folder: str | os.PathLike, manifest: dict | None = None) -> list[str]:
     """Problems found when checking the files against the manifest (empty list: all good)."""
     m = manifest or read_manifest(folder)
     itemsize = np.dtype(m["dtype"]).itemsize
     problems = []
-    for split, info in m["splits"].items():
+    for _split, info in m["splits"].items():
         p = os.path.join(os.fspath(folder), info["file"])
         if not os.path.isfile(p):
             problems.append(f"{info['file']} is missing")
@@ -391,7 +397,7 @@ def _options_record(source: Source, opts: PrepareOptions, tokenizer: str) -> dic
     return rec
 
 
-def prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareOptions] = None, *,
+def prepare_corpus(source: str, out: str | os.PathLike, opts: PrepareOptions | None = None, *,
                    force: bool = False, progress: bool = True, log: Callable[[str], None] = print) -> dict:
     """Tokenise `source` into `out` (see the module docstring); returns the manifest. A no-op when up to date.
     A failure leaves `out` as it was (a folder this call created is removed)."""
@@ -404,7 +410,7 @@ def prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareOp
         raise
 
 
-def _prepare_corpus(source: str, out: str | os.PathLike, opts: Optional[PrepareOptions], *, force: bool,
+def _prepare_corpus(source: str, out: str | os.PathLike, opts: PrepareOptions | None, *, force: bool,
                     progress: bool, log: Callable[[str], None]) -> dict:
     opts = opts or PrepareOptions()
     src = resolve_source(source, opts)
@@ -549,7 +555,7 @@ def _write_array(arr: np.ndarray, path: str) -> None:
     write_with(path, arr.tofile)
 
 
-def corpus_tokenizer(folder: str | os.PathLike, manifest: Optional[dict] = None) -> Tokenizer:
+def corpus_tokenizer(folder: str | os.PathLike, manifest: dict | None = None) -> Tokenizer:
     """The tokeniser a prepared corpus was made with."""
     m = manifest or read_manifest(folder)
     return load_tokenizer(m["tokenizer"], folder)

@@ -15,8 +15,8 @@ Shapes: B batch, T block size (context length).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -72,7 +72,7 @@ class TokenCorpus:
         return corpus_tokenizer(self.folder, self.manifest)
 
 
-def _max_id(path: str, dtype: np.dtype) -> Optional[int]:
+def _max_id(path: str, dtype: np.dtype) -> int | None:
     """The largest token id of a flat token file, read in blocks."""
     size = os.path.getsize(path) // dtype.itemsize
     if size == 0:
@@ -108,7 +108,7 @@ class RandomWindows:
         rng = np.random.default_rng([self.seed, step, self.rank])
         return rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)
 
-    def batch(self, step: int, device: Optional[torch.device | str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) [B,T] int64 with y the next tokens of x."""
         T = self.block_size
         win = np.stack([np.asarray(self.tokens[o:o + T + 1]) for o in self.offsets(step)])   # [B,T+1]

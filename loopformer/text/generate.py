@@ -39,9 +39,8 @@ Shapes: B batch (prompts), P padded prompt length, V vocabulary, N new tokens.
 from __future__ import annotations
 
 import math
-
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -56,12 +55,12 @@ from loopformer.model.memory import check_fits, check_loops, estimate
 class SamplingConfig:
     max_new_tokens: int = 64
     temperature: float = 1.0        # 0: greedy (argmax)
-    top_k: Optional[int] = None     # keep the k most likely tokens
-    top_p: Optional[float] = None   # nucleus: keep the most likely tokens up to total probability p
+    top_k: int | None = None     # keep the k most likely tokens
+    top_p: float | None = None   # nucleus: keep the most likely tokens up to total probability p
     seed: int = 0
     stop_at_eos: bool = True
-    loops: Optional[int] = None     # loops at inference (default: the model's)
-    halt: Optional[str] = None      # adaptive depth per token, a halting rule such as "kl:1e-3" (None: fixed depth)
+    loops: int | None = None     # loops at inference (default: the model's)
+    halt: str | None = None      # adaptive depth per token, a halting rule such as "kl:1e-3" (None: fixed depth)
     schedule: str = "depthwise"     # with `halt` and the cache: "depthwise" (each row at its own loop) | "step"
     compile: bool = False           # the depth-wise schedule's tick under torch.compile (pays for long outputs)
 
@@ -84,7 +83,7 @@ class SamplingConfig:
             raise UserError(f"schedule must be 'depthwise' or 'step' (got {self.schedule!r})")
 
 
-def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
     """Set the logits outside the top-k / top-p set to -inf. logits [B,V] -> [B,V]."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]                      # [B,1]
@@ -101,8 +100,8 @@ def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Opti
     return logits
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row from logits [B,V] -> [B] int64."""
     logits = logits.float()
     if temperature == 0:
@@ -133,9 +132,9 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.T
 @dataclass
 class Generation:
     tokens: list[list[int]]              # new tokens per prompt, up to and including EOS when stopped by it
-    logits: Optional[torch.Tensor]       # [B,N,V] the logits each new token was sampled from (if asked)
+    logits: torch.Tensor | None       # [B,N,V] the logits each new token was sampled from (if asked)
     finished: list[bool]                 # stopped by EOS
-    exit_loops: Optional[torch.Tensor] = None   # [B,N] with a halting rule: the loops each new token's logits took
+    exit_loops: torch.Tensor | None = None   # [B,N] with a halting rule: the loops each new token's logits took
 
 
 def _device(model) -> torch.device:
@@ -143,8 +142,8 @@ def _device(model) -> torch.device:
 
 
 @torch.no_grad()
-def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConfig] = None,
-             eos_id: Optional[int] = None, pad_id: int = 0, use_cache: bool = True, return_logits: bool = False,
+def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig | None = None,
+             eos_id: int | None = None, pad_id: int = 0, use_cache: bool = True, return_logits: bool = False,
              progress: bool = False, memory_check: bool = True) -> Generation:
     """Continue each token list in `prompts`; see the module docstring.
 
@@ -229,7 +228,7 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: Optional[SamplingConf
 
 
 def _tick(model, cache, rule: HaltRule, bound: int, x: torch.Tensor, h_prev: torch.Tensor,
-          logits_prev: Optional[torch.Tensor], t: torch.Tensor, live: torch.Tensor, cols: torch.Tensor,
+          logits_prev: torch.Tensor | None, t: torch.Tensor, live: torch.Tensor, cols: torch.Tensor,
           seen: torch.Tensor):
     """The model's part of a depth-wise tick: one loop for every row (`LoopedTransformer.loop_rows`), the read-out
     where the rule reads one, whether the criterion holds [B], the loops done t + live [B], and for a rule that
@@ -262,7 +261,7 @@ def compiled_tick():
 
 @torch.no_grad()
 def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, first_exits: torch.Tensor,
-                     rule: HaltRule, N: int, cfg: SamplingConfig, gen: torch.Generator, eos_id: Optional[int] = None,
+                     rule: HaltRule, N: int, cfg: SamplingConfig, gen: torch.Generator, eos_id: int | None = None,
                      progress: bool = False) -> tuple[list[list[int]], torch.Tensor]:
     """Depth-wise batched decoding with per-token exits (module docstring) after the prompts are in `cache`
     (mask [B,P]): each row starts from its first new token `first` [B] (sampled after `first_exits` [B] loops).
@@ -346,7 +345,7 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
     return [row[:c] for row, c in zip(out.tolist(), count)], exits
 
 
-def generate_text(model, tokenizer, prompts: Sequence[str], cfg: Optional[SamplingConfig] = None,
+def generate_text(model, tokenizer, prompts: Sequence[str], cfg: SamplingConfig | None = None,
                   use_cache: bool = True, progress: bool = False, memory_check: bool = True) -> list[str]:
     """Continue each prompt string; returns the generated continuations (without the prompts, without EOS)."""
     for p in prompts:

@@ -24,8 +24,8 @@ Shapes: B batch, T window length, V vocabulary, N split length.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -44,15 +44,15 @@ class PerplexityResult:
     tokens: int          # tokens scored
     windows: int         # forward passes (windows) evaluated
     block_size: int
-    stride: Optional[int] = None
-    min_context: Optional[int] = None   # tokens visible to every scored token after the first window
+    stride: int | None = None
+    min_context: int | None = None   # tokens visible to every scored token after the first window
     description: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def window_plan(n_tokens: int, block_size: int, stride: Optional[int] = None) -> list[tuple[int, int, int]]:
+def window_plan(n_tokens: int, block_size: int, stride: int | None = None) -> list[tuple[int, int, int]]:
     """The windows as (b, s, t): inputs x[b : t-1], targets x[b+1 : t], of which x[s : t] are scored.
 
     Every target index 1 … n_tokens-1 lies in exactly one [s, t).
@@ -86,7 +86,7 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def model_block_size(model) -> Optional[int]:
+def model_block_size(model) -> int | None:
     cfg = getattr(model, "config", None)
     return getattr(cfg, "max_len", None) if cfg is not None else None
 
@@ -106,8 +106,8 @@ class _EvalMode:
 
 
 @torch.no_grad()
-def perplexity(model, tokens: np.ndarray | torch.Tensor, block_size: Optional[int] = None,
-               stride: Optional[int] = None, batch_size: int = 8, loops: Optional[int] = None,
+def perplexity(model, tokens: np.ndarray | torch.Tensor, block_size: int | None = None,
+               stride: int | None = None, batch_size: int = 8, loops: int | None = None,
                progress: bool = True, desc: str = "perplexity") -> PerplexityResult:
     """Perplexity of `model` over all of `tokens` [N] (see the module docstring). Deterministic."""
     T = block_size or model_block_size(model)
@@ -137,7 +137,7 @@ def perplexity(model, tokens: np.ndarray | torch.Tensor, block_size: Optional[in
 
 
 def split_result(total: float, count: int, plan: list[tuple[int, int, int]], block_size: int,
-                 stride: Optional[int]) -> PerplexityResult:
+                 stride: int | None) -> PerplexityResult:
     """The perplexity of a split from the summed negative log-likelihood `total` of its `count` targets, scored in
     the windows `plan` (`window_plan(…, block_size, stride)`)."""
     T = int(block_size)
@@ -156,7 +156,7 @@ def scored_positions(group: list[tuple[int, int, int]]) -> np.ndarray:
     """Which inputs of a group of equal-length windows (b, s, t) predict a scored target [B,L] bool: x[s : t]."""
     L = group[0][2] - 1 - group[0][0]
     keep = np.zeros((len(group), L), dtype=bool)
-    for i, (b, s, t) in enumerate(group):
+    for i, (b, s, _t) in enumerate(group):
         keep[i, s - 1 - b:] = True
     return keep
 
@@ -174,8 +174,8 @@ def window_groups(plan: list[tuple[int, int, int]], batch_size: int) -> Iterator
 
 
 @torch.no_grad()
-def estimate_perplexity(model, tokens: np.ndarray, block_size: Optional[int] = None, batch_size: int = 8,
-                        iters: int = 200, seed: int = 0, loops: Optional[int] = None,
+def estimate_perplexity(model, tokens: np.ndarray, block_size: int | None = None, batch_size: int = 8,
+                        iters: int = 200, seed: int = 0, loops: int | None = None,
                         progress: bool = True) -> PerplexityResult:
     """The authors' estimate: exp of the mean loss over `iters` batches of random windows (seeded).
 

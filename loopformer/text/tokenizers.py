@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Iterator, Protocol, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
@@ -88,7 +89,7 @@ class ByteBPETokenizer:
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "ByteBPETokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> ByteBPETokenizer:
         """Learn merges on `texts` until the vocabulary holds `vocab_size` entries (bytes + merges + EOT)."""
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + 1:
@@ -105,7 +106,7 @@ class ByteBPETokenizer:
         return cls(tok)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ByteBPETokenizer":
+    def load(cls, path: str | os.PathLike) -> ByteBPETokenizer:
         if not os.path.isfile(path):
             raise UserError(f"tokenizer file not found: {path}")
         try:

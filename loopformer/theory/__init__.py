@@ -11,9 +11,18 @@
 
 from loopformer.theory.bounds import delta_from_loops, duplicate_measure, loops_for, theorem_bound
 from loopformer.theory.compose import composed_network, contextual_labels
-from loopformer.theory.constructions import (bit_extraction, contextual_mapping, contextual_mapping_ext,
-                                             exact_memorization, impulse, memorization, quantization, rect,
-                                             softmax_temperature_bound, step)
+from loopformer.theory.constructions import (
+                                             bit_extraction,
+                                             contextual_mapping,
+                                             contextual_mapping_ext,
+                                             exact_memorization,
+                                             impulse,
+                                             memorization,
+                                             quantization,
+                                             rect,
+                                             softmax_temperature_bound,
+                                             step,
+)
 from loopformer.theory.exact import Affine, Block, FeedForward, Head, LoopedNet, evaluate
 from loopformer.theory.moduli import ModulusEstimate, estimate_moduli, estimate_modulus
 

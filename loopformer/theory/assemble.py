@@ -21,8 +21,8 @@ Beyond that the contextual ID state keeps growing like δ^-d per loop after Step
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ def assemble(net: LoopedNet, hardmax_scale: float = HARDMAX_SCALE):
 
 
 @contextmanager
-def per_loop_scaling(model, eta: Optional[Sequence]):
+def per_loop_scaling(model, eta: Sequence | None):
     """FF(x) → η(t) ⊙ FF(x) in loop t (Sec. 4.1) via a forward hook on the (single) layer's MLP."""
     if eta is None:
         yield

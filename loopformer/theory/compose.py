@@ -27,14 +27,19 @@ error report keeps them apart.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable, Optional
 
 import numpy as np
 
-from loopformer.theory.constructions import (contextual_mapping_ext, extended_sequence_id, memorization,
-                                             neighbour_differences, quantization)
+from loopformer.theory.constructions import (
+    contextual_mapping_ext,
+    extended_sequence_id,
+    memorization,
+    neighbour_differences,
+    quantization,
+)
 from loopformer.theory.exact import Affine, Block, FeedForward, Head, LoopedNet, evaluate, frac, run_block
 
 F = Fraction
@@ -130,7 +135,7 @@ class Composed:
     eps_q: Fraction
     info: dict = field(default_factory=dict)
 
-    def predicted(self, digits_per_token: list[list[int]]) -> Optional[list[list[Fraction]]]:
+    def predicted(self, digits_per_token: list[list[int]]) -> list[list[Fraction]] | None:
         """ỹ for a cell (token digit lists), or None when two tokens share a cell."""
         m, N, d = self.labels.delta_inv, self.labels.N, self.labels.d
         zs = [token_id(b, m) for b in digits_per_token]

@@ -17,13 +17,24 @@ printed construction does not compute what its statement says.  Preconditions of
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Optional, Sequence
 
-from loopformer.theory.exact import (Affine, Block, FeedForward, Head, LoopedNet, block_diag_affine,
-                                     block_diag_ff, frac, mat, vec)
+from loopformer.theory.exact import (
+    Affine,
+    Block,
+    FeedForward,
+    Head,
+    LoopedNet,
+    block_diag_affine,
+    block_diag_ff,
+    frac,
+    mat,
+    vec,
+)
 
 F = Fraction
+HALF = F(1, 2)   # the default ε of the contextual mapping (a module constant: defaults are evaluated once)
 
 
 def _e(D: int, i: int, v=1) -> tuple:
@@ -159,7 +170,7 @@ def sequence_id(z: Sequence[int], base: int) -> int:
     return s
 
 
-def contextual_mapping(base: int, N: int, eps=F(1, 2), M=None, attention: str = "hardmax",
+def contextual_mapping(base: int, N: int, eps=HALF, M=None, attention: str = "hardmax",
                        temperature=None, printed: bool = False) -> LoopedNet:
     """Lemma A.6: a Transformer block TF: R^{5×N} → R^{5×N} (one head of size 1, FF width 3) and affine
     L1: R → R^5, L2: R^5 → R with  L2 ∘ TF^N ∘ L1(z^T) = (u^T z)·1_N^T  for every z ∈ 𝕃_δ (distinct token IDs in
@@ -206,7 +217,7 @@ def extended_sequence_id(z: Sequence[int], delta_inv: int, d: int) -> int:
     return 2 * sequence_id(z, delta_inv ** d) - (min(z) % delta_inv)
 
 
-def contextual_mapping_ext(delta_inv: int, d: int, N: int, eps=F(1, 2), M=None, attention: str = "hardmax",
+def contextual_mapping_ext(delta_inv: int, d: int, N: int, eps=HALF, M=None, attention: str = "hardmax",
                            temperature=None, printed: bool = False) -> LoopedNet:
     """Corollary A.7: TF^(2): R^{8×N} → R^{8×N} (two heads of size 1, FF width 5) and L1: R² → R^8, L2: R^8 → R
     with  L2 ∘ (TF^(2))^N ∘ L1([z^T; Z_{d,:}]) = (2u^T z − Z_{d,N})·1_N^T  for z ∈ 𝕃_δ (Eq. 45, 245–282).
@@ -336,7 +347,7 @@ def neighbour_differences(y) -> list[Fraction]:
     return [max(abs(rows[k][i] - rows[k - 1][i]) for k in range(1, len(rows))) for i in range(len(rows[0]))]
 
 
-def memorization(y, eps: Optional[Sequence] = None, printed: bool = False) -> LoopedNet:
+def memorization(y, eps: Sequence | None = None, printed: bool = False) -> LoopedNet:
     """Lemma 4.1: for y_0..y_{K−1} ∈ R^d with |(y_k − y_{k−1})_i| ≤ ε_i, a FF: R^{12d} → R^{12d} of width 18d and
     L1: R → R^{12d}, L2: R^{12d} → R^d with
 
@@ -405,7 +416,7 @@ def _shift_for(ys: Sequence[Fraction], rule="nonzero") -> Fraction:
 THEOREM_42_REPAIRS = ("bias", "M", "start")
 
 
-def exact_memorization(y, printed: bool = False, repairs: Optional[Sequence[str]] = None,
+def exact_memorization(y, printed: bool = False, repairs: Sequence[str] | None = None,
                        shift="nonzero") -> LoopedNet:
     """Theorem 4.2: for y_0..y_{K−1} ∈ R^d a FF: R^{4d} → R^{4d} of width 6d, per-loop scalings η(t) ∈ R^{4d}
     (t = 1..K−1) and L1: R → R^{4d}, L2: R^{4d} → R^d with

@@ -16,9 +16,9 @@ Shapes: a sequence is a list of N tokens, each a list of D numbers (D = width of
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable, Optional, Sequence
 
 import mpmath
 
@@ -44,7 +44,7 @@ def mat(rows: Sequence[Sequence]) -> Mat:
     return tuple(vec(r) for r in rows)
 
 
-def zeros(n: int, m: Optional[int] = None):
+def zeros(n: int, m: int | None = None):
     if m is None:
         return [Fraction(0)] * n
     return [[Fraction(0)] * m for _ in range(n)]
@@ -128,7 +128,7 @@ class Block:
     ff: FeedForward
     heads: tuple = ()
     attention: str = "hardmax"          # "hardmax" | "softmax"
-    temperature: Optional[float] = None  # λ of Eq. 96 (softmax only)
+    temperature: float | None = None  # λ of Eq. 96 (softmax only)
 
     def __post_init__(self):
         if self.attention not in ("hardmax", "softmax"):
@@ -153,7 +153,7 @@ class LoopedNet:
     block: Block
     l2: Affine
     loops: int
-    eta: Optional[tuple] = None
+    eta: tuple | None = None
     name: str = ""
     meta: dict = field(default_factory=dict, compare=False)
 
@@ -237,7 +237,7 @@ def _to_exact(x, ctx):
     return Fraction(int(m)) * (Fraction(2) ** int(e))
 
 
-def run_block(block: Block, X: list, t: int = 1, eta: Optional[Sequence] = None, ctx=None) -> list:
+def run_block(block: Block, X: list, t: int = 1, eta: Sequence | None = None, ctx=None) -> list:
     """One application TF(X, t) (loop index t counts from 1). X: [N][D] exact numbers."""
     A = _attend(block, X, ctx) if block.heads else None
     Xp = X if A is None else [[xi + ai for xi, ai in zip(x, a)] for x, a in zip(X, A)]
@@ -250,8 +250,8 @@ def run_block(block: Block, X: list, t: int = 1, eta: Optional[Sequence] = None,
     return out
 
 
-def evaluate(net: LoopedNet, X: Sequence[Sequence], loops: Optional[int] = None, precision: int = 256,
-             trace: Optional[Callable[[int, list], None]] = None) -> list:
+def evaluate(net: LoopedNet, X: Sequence[Sequence], loops: int | None = None, precision: int = 256,
+             trace: Callable[[int, list], None] | None = None) -> list:
     """Exactly compute L2 ∘ TF^loops ∘ L1 on one sequence X ([N][d_in]); returns [N][d_out] Fractions.
 
     Softmax blocks are evaluated with `precision` bits of working precision (mpmath); a hardmax network is exact.

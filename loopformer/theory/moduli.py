@@ -14,8 +14,8 @@ f: takes a batch [B, d, N] (numpy float64 array, or a torch tensor when `use_gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ def _project(X, D, mask, delta, lo, hi, xp):
 
 def estimate_modulus(f: Callable, delta: float, kind: str, d: int, N: int, p: float = 2.0, samples: int = 4096,
                      steps: int = 200, restarts: int = 16, lr: float = 0.05, seed: int = 0,
-                     lo: float = 0.0, hi: float = 1.0, use_grad: Optional[bool] = None,
+                     lo: float = 0.0, hi: float = 1.0, use_grad: bool | None = None,
                      batch: int = 1024) -> ModulusEstimate:
     """Lower-bound ω^kind_f(δ) by sampling `samples` random feasible pairs (Δ of norm δ in random directions)
     and, if f is torch-differentiable (`use_grad` None = try), `steps` of projected gradient ascent from the

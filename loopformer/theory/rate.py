@@ -14,9 +14,9 @@ from __future__ import annotations
 import csv
 import itertools
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -152,7 +152,7 @@ def write_rate(points: list[RatePoint], out_dir: str) -> tuple[str, str]:
                 w.writerow(asdict(pt))
 
     write_with(csv_path, write_csv)
-    import matplotlib   # heavy: imported only when a plot is drawn
+    import matplotlib  # heavy: imported only when a plot is drawn
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     r = [pt.loops for pt in points]

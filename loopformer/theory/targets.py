@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ def check_target(f: Callable, d: int, N: int, spec: str = "target") -> None:
             raise UserError(f"{spec} returned a non-finite value on an input of shape {list(shape)}")
 
 
-def checkpoint_target(path: str, N: int, loops: Optional[int] = None, device: str = "cpu"
+def checkpoint_target(path: str, N: int, loops: int | None = None, device: str = "cpu"
                       ) -> tuple[Callable, int, float, float]:
     """A trained checkpoint as a target: X [B, D, N] input embeddings (the read-in's output) → the residual stream
     after the last loop [B, D, N], in float64.  Returns (f, d = D, lo, hi) with [lo, hi] the range of the model's

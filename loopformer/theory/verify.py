@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 from tqdm import tqdm
@@ -24,9 +24,10 @@ from loopformer.theory.exact import LoopedNet, evaluate
 from loopformer.theory.rate import default_target, measure_point
 
 F = Fraction
+HALF = F(1, 2)   # the default ε of the contextual mapping (a module constant: defaults are evaluated once)
 
 
-Num = Union[Fraction, int, float]
+Num = Fraction | int | float
 
 
 def _exact(x: Num) -> Num:
@@ -50,8 +51,8 @@ class Row:
     expect: str             # "holds" | "fails"
     note: str = ""
     strict: bool = False    # error must be < bound (else <=)
-    low: Optional[Num] = None        # set: the measured quantity must also stay > low; error_min is its minimum
-    error_min: Optional[Num] = None
+    low: Num | None = None        # set: the measured quantity must also stay > low; error_min is its minimum
+    error_min: Num | None = None
 
     @property
     def holds(self) -> bool:
@@ -134,7 +135,7 @@ def rows_contextual() -> Iterator[Row]:
                       "" if printed else "Eq. 247 key −z; row 5 drop −σ(x7); Eq. 282 L2 = 2x5 − x8")
 
 
-def printed_margin_M(base: int, eps=F(1, 2)) -> Fraction:
+def printed_margin_M(base: int, eps=HALF) -> Fraction:
     """An M at the edge of the printed precondition M > (δ^-d − 1)/ε: (δ^-d − 1 + 1/8)/ε (marked scores ≥ −1/8)."""
     return (base - 1 + F(1, 8)) / eps
 
@@ -193,7 +194,7 @@ def rows_softmax() -> Iterator[Row]:
     The expected outcomes are predictions from the score gap (≥ 1 only for the repaired M), not measured."""
     for base, N in [(3, 2), (4, 3)]:
         lam111 = C.softmax_temperature_bound(base, N)
-        for label, M, printed in SOFTMAX_MS:
+        for _label, M, printed in SOFTMAX_MS:
             net = _softmax_net(base, N, 1, M, printed)
             sz = _sizes(net)
             tag = ("as printed" if printed else "repaired") + f" (M={net.meta['M']}" + \
@@ -213,7 +214,7 @@ def rows_softmax() -> Iterator[Row]:
                       f"k − k̃ ∈ [{_fmt(lo)}, {_fmt(hi)}]")
 
 
-def _bits(r: int, seed: int, last: Optional[int] = 1) -> list[int]:
+def _bits(r: int, seed: int, last: int | None = 1) -> list[int]:
     rng = np.random.default_rng(seed)
     th = [int(v) for v in rng.integers(0, 2, size=r)]
     if last is not None:

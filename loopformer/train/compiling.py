@@ -20,7 +20,7 @@ the duration of a block (evaluation runs the model eagerly, with other shapes an
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -12,19 +12,19 @@ causality, read-out) are filled from the task before the YAML is applied, so a c
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from loopformer.configio import one_line, load_config, user_layers
+from loopformer.configio import load_config, one_line, user_layers
 from loopformer.errors import UserError
 from loopformer.eval.config import EvalConfig
-from loopformer.train.compiling import COMPILE_SCOPES
 from loopformer.model.config import ModelConfig
 from loopformer.model.memory import loop_cap
 from loopformer.sources import TaskConfig, model_fields
+from loopformer.train.compiling import COMPILE_SCOPES
 
 LOSS_LOOPS = ("last", "all", "window")
 EXIT_LOSSES = ("target", "distribution")
@@ -94,7 +94,7 @@ class TrainConfig:
                                       # for small models on a GPU) | max-autotune
     timestep_lr_mult: float = 0.1     # lr multiplier of the timestep embedder and the modulations (TMLT); 1: the
                                       # paper's single learning rate. See docs/tmlt-study.md
-    timestep_weight_decay: Optional[float] = None  # their weight decay (None: weight_decay)
+    timestep_weight_decay: float | None = None  # their weight decay (None: weight_decay)
     exit_loss: str = "target"         # how a model's exit gate (model.exit_gate) learns: "target" (BCE on "the
                                       # read-out after loop t is already correct", as TRM) | "distribution" (the
                                       # per-loop losses weighted by the exit distribution, as Ouro); see
@@ -220,7 +220,7 @@ class RunConfig:
             _need(tr.loss_window <= m.loops, f"train.loss_window={tr.loss_window} exceeds model.loops={m.loops}")
 
 
-def _raw_layers(path: Optional[str | os.PathLike], overrides: Iterable[str]) -> dict:
+def _raw_layers(path: str | os.PathLike | None, overrides: Iterable[str]) -> dict:
     """The YAML file and overrides merged without a schema (to find the task before the full load)."""
     layers = user_layers(path, overrides)
     try:
@@ -230,8 +230,8 @@ def _raw_layers(path: Optional[str | os.PathLike], overrides: Iterable[str]) -> 
         raise UserError(f"config error: {one_line(exc)}") from None
 
 
-def load_run_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
-                    base: Optional[dict] = None) -> RunConfig:
+def load_run_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = (),
+                    base: dict | None = None) -> RunConfig:
     """Load a run config: defaults < `base` < what the task fixes < YAML at `path` < dotted `overrides`.
     A config that sets `train.epochs` and not `train.steps` trains for those epochs (steps = 0 below the YAML).
 

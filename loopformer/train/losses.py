@@ -32,7 +32,6 @@ Shapes: R loops, B batch, T length, C classes, n read positions.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +46,7 @@ from loopformer.train.optim import budget_range
 
 
 # ------------------------------------------------------------------------------------------------- positions
-def supervised(targets: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+def supervised(targets: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Which positions the loss supervises, bool [..., B,T]: class targets other than IGNORE; for regression
     targets (reals) a `weight` above 0, or every position when `weight` is None."""
     if not targets.dtype.is_floating_point:
@@ -55,14 +54,14 @@ def supervised(targets: torch.Tensor, weight: Optional[torch.Tensor] = None) -> 
     return torch.ones_like(targets, dtype=torch.bool) if weight is None else weight > 0
 
 
-def supervised_count(targets: torch.Tensor, weight: Optional[torch.Tensor] = None) -> int:
+def supervised_count(targets: torch.Tensor, weight: torch.Tensor | None = None) -> int:
     """The number of supervised positions (one host sync): `supervised` summed; for regression the weights' sum."""
     if targets.dtype.is_floating_point and weight is not None:
         return int(weight.sum())
     return int(supervised(targets).sum())
 
 
-def read_positions(batch: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+def read_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """[n] int64: the flattened B·T positions a batch's loss looks at — a target (or, with per-loop targets, any
     loop's target), or a weight above 0 for regression — or None when that is every position."""
     seen = supervised(batch["targets"], batch.get("weight"))
@@ -71,8 +70,8 @@ def read_positions(batch: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
     return None if bool(seen.all()) else seen.flatten().nonzero().squeeze(1)
 
 
-def at_read(at: Optional[torch.Tensor], logits: torch.Tensor, targets: torch.Tensor,
-            weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def at_read(at: torch.Tensor | None, logits: torch.Tensor, targets: torch.Tensor,
+            weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Read-outs taken at the positions `at` ([..., n, C], `read_positions`) with targets [..., B,T] (and weight
     [B,T]) as one row of n positions: ([..., 1, n, C], [..., 1, n], [1, n]), the layout `summed_loss` reads.
     Unchanged when `at` is None."""
@@ -83,7 +82,7 @@ def at_read(at: Optional[torch.Tensor], logits: torch.Tensor, targets: torch.Ten
 
 
 # ------------------------------------------------------------------------------------------------- the task loss
-def loss_loops(cfg: TrainConfig, loops: int) -> Optional[int]:
+def loss_loops(cfg: TrainConfig, loops: int) -> int | None:
     """How many trailing loops enter the loss (None: only the final read-out, no per-loop outputs needed)."""
     if cfg.loss_loops == "last":
         return None
@@ -99,7 +98,7 @@ def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int) -> torch.T
     return step_targets.index_select(1, j).transpose(0, 1)
 
 
-def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, int]:
     """(sum of per-position losses, number of supervised positions).
 
@@ -116,7 +115,7 @@ def summed_loss(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[to
     return loss_sum(logits, targets), count // max(1, math.prod(lead)) if per_read else count
 
 
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None,
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None = None,
              kind: str = "cross_entropy") -> torch.Tensor:
     """The sum of `summed_loss` alone (no host synchronisation: it compiles into one graph with the forward).
     kind: the classification loss, "cross_entropy" or "stablemax" (`stablemax_cross_entropy`)."""
@@ -148,7 +147,7 @@ def stablemax_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_
     return -(log_p * keep).sum()
 
 
-def per_loop_losses(all_logits: torch.Tensor, targets: torch.Tensor, weight: Optional[torch.Tensor] = None,
+def per_loop_losses(all_logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None = None,
                     per_token: bool = False) -> torch.Tensor:
     """The read-out's loss after every loop: per position [R,B,T] (`per_token`; 0 outside the loss), or per row
     [R,B] (mean over the row's supervised positions).  all_logits [R,B,T,C], targets [B,T]."""
@@ -171,7 +170,7 @@ def per_loop_correct(all_logits: torch.Tensor, targets: torch.Tensor, per_token:
 
 
 # ------------------------------------------------------------------------------------------------- the exit gate
-def _masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean of x [R, *] over every element, or over the elements of [*] where `mask` holds (broadcast over R)."""
     if mask is None:
         return x.mean()
@@ -180,7 +179,7 @@ def _masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def halting_target_loss(stop_logits: torch.Tensor, correct: torch.Tensor,
-                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
     """Halting target (TRM's halting head):  mean_t,n BCE(σ(g_t,n), c_t,n),  c = 1 where the read-out after loop t
     is already correct.  stop_logits [R, *], correct [R, *] bool, mask [*] (which entries count; None: all)."""
     bce = F.binary_cross_entropy_with_logits(stop_logits.float(), correct.float(), reduction="none")
@@ -199,7 +198,7 @@ def exit_distribution(stop_logits: torch.Tensor) -> torch.Tensor:
 
 
 def exit_distribution_loss(per_loop_losses: torch.Tensor, stop_logits: torch.Tensor,
-                           entropy_weight: float = 0.0, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           entropy_weight: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Exit distribution (Ouro):  mean_n [ Σ_t p_t,n L_t,n − β H(p_·,n) ],  H(p) = −Σ_t p_t log p_t.
 
     per_loop_losses [R, *] (L_t: the read-out's loss after loop t), stop_logits [R, *], β = `entropy_weight`,
@@ -211,7 +210,7 @@ def exit_distribution_loss(per_loop_losses: torch.Tensor, stop_logits: torch.Ten
 
 
 def exit_loss(cfg: TrainConfig, all_logits: torch.Tensor, all_stop: torch.Tensor, targets: torch.Tensor,
-              weight: Optional[torch.Tensor] = None, per_token: bool = False) -> torch.Tensor:
+              weight: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
     """The exit gate's loss (`cfg.exit_loss`), unweighted: "target" or "distribution" (module docstring).
 
     all_logits [R,B,T,C], all_stop [R,B,T] (the gate's logits after every loop), targets [B,T]."""

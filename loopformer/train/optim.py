@@ -13,7 +13,6 @@ generator seeded with (seed, step) (docs/elastic-depth.md; its losses are `loopf
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 import torch
@@ -69,7 +68,7 @@ def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int =
     return np.clip(draw, lo, hi)
 
 
-def steps_for(cfg_steps: int, epochs: float, n_train: Optional[int], batch_size: int) -> int:
+def steps_for(cfg_steps: int, epochs: float, n_train: int | None, batch_size: int) -> int:
     """Optimiser steps: `steps` if set, else `epochs` passes over n_train rows."""
     if cfg_steps:
         return cfg_steps

@@ -27,13 +27,12 @@ import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
 
 from omegaconf import OmegaConf
 
+from loopformer import fileio
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
-from loopformer import fileio
 from loopformer.fileio import finite_or_none, open_nofollow, write_json, write_text
 from loopformer.model.io import RUN_CHECKPOINT, has_training_state, recover_checkpoint
 from loopformer.train.config import RunConfig, load_run_config
@@ -50,9 +49,9 @@ class RunLock:
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / LOCK_FILE
-        self.fd: Optional[int] = None
+        self.fd: int | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)
         try:
@@ -81,7 +80,7 @@ def foreign_entries(run_dir: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- provenance
-def git_commit(path: str | os.PathLike = ".") -> Optional[dict]:
+def git_commit(path: str | os.PathLike = ".") -> dict | None:
     """{"commit", "dirty"} of the git checkout holding loopformer, or None outside one."""
     here = Path(__file__).resolve().parent
     try:
@@ -110,7 +109,7 @@ def config_yaml(cfg: RunConfig) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- strict JSON
-def nonfinite_key(record: dict) -> Optional[str]:
+def nonfinite_key(record: dict) -> str | None:
     """The first key of `record` holding a NaN or infinite number (also inside lists), or None."""
     for k, v in record.items():
         vals = v if isinstance(v, (list, tuple)) else [v]
@@ -125,7 +124,7 @@ def nonfinite_key(record: dict) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------------------- reading
-def read_results(run_dir: str | os.PathLike) -> Optional[dict]:
+def read_results(run_dir: str | os.PathLike) -> dict | None:
     f = Path(run_dir) / RESULTS_FILE
     if not f.is_file():
         return None
@@ -237,8 +236,8 @@ def write_results(run_dir: Path, results: dict) -> dict:
 class MetricsLog:
     """metrics.jsonl (rank 0), mirrored to TensorBoard / Weights & Biases when those are installed and enabled."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, keep_until: Optional[int], enabled: bool,
-                 final_step: Optional[int] = None):
+    def __init__(self, run_dir: Path, cfg: RunConfig, keep_until: int | None, enabled: bool,
+                 final_step: int | None = None):
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.tb = self.wandb = None

@@ -25,9 +25,11 @@ import contextlib
 import math
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +40,7 @@ from loopformer.configio import to_dict
 from loopformer.errors import UserError
 from loopformer.eval.run import check_eval_config, evaluate_all
 from loopformer.fileio import can_compile
-from loopformer.model.diagnostics import (grad_norms, loop_dynamics, modulation_stats, state_grad_norms,
-                                         summarize_settle)
+from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, state_grad_norms, summarize_settle
 from loopformer.model.fixedpoint import solve_record
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
@@ -50,10 +51,19 @@ from loopformer.tasks import IGNORE
 from loopformer.train import run
 from loopformer.train.compiling import compile_block, compile_scope, eager, uncompile_block
 from loopformer.train.config import RunConfig
-from loopformer.train.ema import EMA
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
-from loopformer.train.losses import (at_read, elastic_losses, exit_loss, loop_targets, loss_loops, loss_sum,
-                                    read_positions, supervised, supervised_count)
+from loopformer.train.ema import EMA
+from loopformer.train.losses import (
+    at_read,
+    elastic_losses,
+    exit_loss,
+    loop_targets,
+    loss_loops,
+    loss_sum,
+    read_positions,
+    supervised,
+    supervised_count,
+)
 from loopformer.train.optim import budget_range, lr_at, make_optimizer, sample_loops, steps_for
 from loopformer.train.run import MetricsLog
 
@@ -72,7 +82,7 @@ def autocast_for(cfg: RunConfig, device: torch.device) -> tuple[Callable[[], Any
     return (lambda: torch.autocast(device.type, dtype=dtype)), prec == "fp16"
 
 
-def nonfinite_parameter(model: torch.nn.Module) -> Optional[str]:
+def nonfinite_parameter(model: torch.nn.Module) -> str | None:
     """The name of the first parameter holding a NaN or an infinity, or None (one host sync)."""
     params = [(n, p) for n, p in unwrap(model).named_parameters()]
     if not params:
@@ -135,7 +145,7 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
     CUDA allocator's peak ("cuda") on a GPU."""
     out: dict[str, float] = {}
     try:
-        import resource                          # POSIX only
+        import resource  # POSIX only
         kib = 2**10 if sys.platform == "darwin" else 1      # ru_maxrss: bytes on macOS, KiB elsewhere
         out["host"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib / 2**10
     except ImportError:
@@ -173,8 +183,8 @@ def dynamics_record(model: torch.nn.Module, batch: dict[str, torch.Tensor], loop
 
 
 # ------------------------------------------------------------------------------------------------- training
-def train(cfg: RunConfig, *, resume: bool = False, on_step: Optional[Callable[[int], None]] = None,
-          progress: Optional[bool] = None, overwrite: bool = False) -> dict:
+def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None] | None = None,
+          progress: bool | None = None, overwrite: bool = False) -> dict:
     """Train per `cfg`; returns the final results dict (also written to `out_dir/results.json` by rank 0).
 
     resume: continue from `out_dir/checkpoint` (the same run folder). on_step(step) is called after each
@@ -263,11 +273,11 @@ class Trainer:
         self.start, self.state, self.finished = 0, None, False   # the first step, the checkpoint's training state
         # the module the steps run (`wrap`: inside DDP, the step compiled)
         self.net: torch.nn.Module = self.model
-        self.compiled: Optional[Callable[..., tuple[torch.Tensor, LoopOutput]]] = None   # compiled _forward_loss
+        self.compiled: Callable[..., tuple[torch.Tensor, LoopOutput]] | None = None   # compiled _forward_loss
         self.compile_s = 0.0                     # seconds of the first compiled step (compilation included)
         # the run's outputs (`open_log`): metrics log, progress bar, training time (restored on resume)
-        self.log: Optional[MetricsLog] = None
-        self.bar: Optional[tqdm] = None
+        self.log: MetricsLog | None = None
+        self.bar: tqdm | None = None
         self.train_time = 0.0
         # the log window: loss and accuracy sums stay on the device between log steps (no host synchronisation
         # in the step); counts of supervised positions and tokens on the host; its start time
@@ -276,7 +286,7 @@ class Trainer:
         self.acc_correct = torch.zeros((), dtype=self.acc_dtype, device=d.device)
         self.acc_count = self.acc_tokens = 0.0
         self.window_t0 = 0.0
-        self.last_eval: Optional[dict] = None    # the latest periodic evaluation (shown on the bar)
+        self.last_eval: dict | None = None    # the latest periodic evaluation (shown on the bar)
         self.dyn_every = (cfg.log.dynamics_every or tc.log_every) if cfg.log.dynamics else 0   # 0: no dynamics
         self.dyn_grads: dict[str, float] = {}    # per-group gradient norms of the latest dynamics step
         # the latest step (`step`): its lr, loop count (per-row budgets: the largest), last micro-batch, and the
@@ -284,7 +294,7 @@ class Trainer:
         self.lr = 0.0
         self.loops = cfg.model.loops
         self.last_micro: dict[str, torch.Tensor] = {}
-        self.gnorm: Optional[torch.Tensor] = None
+        self.gnorm: torch.Tensor | None = None
         if resume:
             self._restore()
 
@@ -325,13 +335,13 @@ class Trainer:
             else:
                 self.compiled = torch.compile(self._forward_loss, mode=self.cfg.train.compile_mode)
         if (self.compiled is not None or self.regional) and self.cfg.threads:
-            import torch._inductor.config as inductor   # heavy: only when compiling
+            import torch._inductor.config as inductor  # heavy: only when compiling
             inductor.compile_threads = self.cfg.threads  # the compiler's worker pool keeps to the thread budget
         self.compile_s = 0.0
 
-    def forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
-                     targets: torch.Tensor, weight: Optional[torch.Tensor], R: int, return_all: bool,
-                     read_loops: Optional[int], n_read: Optional[int], row_loops: Optional[torch.Tensor] = None,
+    def forward_loss(self, x: torch.Tensor, state: torch.Tensor | None, offset: int, at: torch.Tensor | None,
+                     targets: torch.Tensor, weight: torch.Tensor | None, R: int, return_all: bool,
+                     read_loops: int | None, n_read: int | None, row_loops: torch.Tensor | None = None,
                      read_only: bool = False) -> tuple[torch.Tensor, LoopOutput]:
         """`_forward_loss`, compiled at the model's final loop count when `compiles` says so (a loop curriculum's
         shorter steps stay eager: each loop count would be a graph of its own). With train.compile=auto a
@@ -359,9 +369,9 @@ class Trainer:
         self.compile_s = time.perf_counter() - t0
         return out
 
-    def _forward_loss(self, x: torch.Tensor, state: Optional[torch.Tensor], offset: int, at: Optional[torch.Tensor],
-                      targets: torch.Tensor, weight: Optional[torch.Tensor], R: int, return_all: bool,
-                      read_loops: Optional[int], n_read: Optional[int], row_loops: Optional[torch.Tensor] = None,
+    def _forward_loss(self, x: torch.Tensor, state: torch.Tensor | None, offset: int, at: torch.Tensor | None,
+                      targets: torch.Tensor, weight: torch.Tensor | None, R: int, return_all: bool,
+                      read_loops: int | None, n_read: int | None, row_loops: torch.Tensor | None = None,
                       read_only: bool = False) -> tuple[torch.Tensor, LoopOutput]:
         """One supervision step: the forward from `state` (None: the read-in) and its summed loss over the last
         `n_read` read-outs (None: the final one) at the positions `at` — one graph when compiled. `row_loops`: a
@@ -374,7 +384,7 @@ class Trainer:
             out.logits = out.logits.clone()   # each other fail when replayed from torch's compilation cache
         return loss_sum(*at_read(at, logits, targets, weight), kind=self.cfg.train.loss), out
 
-    def open_log(self, progress: Optional[bool]) -> None:
+    def open_log(self, progress: bool | None) -> None:
         """Write config.yaml and run.json, open the metrics log, start the bar and the log window (restored from
         the checkpoint when resuming)."""
         cfg, d, state = self.cfg, self.d, self.state
@@ -456,7 +466,7 @@ class Trainer:
         rows = mb.get("row_loops")                                              # [b] | None
         R_mb = R if rows is None else int(rows.max())
 
-        def run_step(j: int, state: Optional[torch.Tensor], offset: int) -> LoopOutput:
+        def run_step(j: int, state: torch.Tensor | None, offset: int) -> LoopOutput:
             sync = last and j == N - 1
             with self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext():
                 with self.autocast():
@@ -474,8 +484,8 @@ class Trainer:
                 self.acc_loss += s.detach().to(self.acc_dtype) / (k * N)
             return out
 
-        for out in supervision_steps(self.net, mb["inputs"], N, R_mb, run_step=run_step):
-            pass                                                 # each step's backward ran inside it
+        # each step's backward runs inside it; the last step's output is kept (one step in memory)
+        out = deque(supervision_steps(self.net, mb["inputs"], N, R_mb, run_step=run_step), maxlen=1)[0]
         with torch.no_grad():
             if self.data.classifies:
                 logits, targets, _ = at_read(at, out.logits, mb["targets"])
@@ -557,7 +567,7 @@ class Trainer:
             raise UserError(f"training diverged: {bad} is not finite at step {step}; the last good checkpoint is "
                             f"kept (lower train.lr or enable train.grad_clip)")
 
-    def evaluate(self, step: int, final: bool) -> Optional[dict]:
+    def evaluate(self, step: int, final: bool) -> dict | None:
         """Test metrics (rank 0; on the final evaluation also loop by loop, and the halting rules, sweep and loop
         budgets of `cfg.eval`: `loopformer.eval.run.evaluate_all`), logged and shared with every process."""
         cfg, res = self.cfg, None

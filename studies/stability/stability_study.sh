@@ -13,7 +13,8 @@
 #                                                      #   4,000 steps, ~15 min each on one core)
 #   bash studies/stability/stability_study.sh screen-pointer     # each stabiliser alone on pointer chasing at r = 32, looped,
 #   bash studies/stability/stability_study.sh screen-schedule    #   seeds 0-1 (SCREENS below; ~17 min / ~8 min a run);
-#                                                      #   SCREEN_SEEDS=1 ONLY="recipe sandwich": some of them
+#                                                      #   SCREEN_SEEDS=1 ONLY="recipe sandwich": some of them;
+#                                                      #   SCREEN_EXTRA=model.timestep=true SCREEN_TAG=-tmlt: TMLT
 #   bash studies/stability/stability_study.sh collect            # tables and compact results into studies/stability/
 # Cost on 2 CPU cores: two runs at a time ($JOBS), one thread each.
 set -euo pipefail
@@ -44,15 +45,16 @@ SCREENS=(
   "truncated-bptt:model.grad_loops=16"
 )
 # screen CONFIG: every entry of SCREENS ("recipe": the shipped recipe itself, on the same code and seeds) as its
-# own sweep, looped, seeds $SCREEN_SEEDS (default 0,1); $ONLY: the entries to run (names, space-separated)
+# own sweep, looped, seeds $SCREEN_SEEDS (default 0,1); $ONLY: the entries to run (names, space-separated);
+# $SCREEN_EXTRA: overrides for every entry (e.g. model.timestep=true), $SCREEN_TAG: a suffix of the sweeps' names
 screen() {
   local entry name
   for entry in "${SCREENS[@]}"; do
     name=${entry%%:*}
     [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $name "* ]] || continue
     # shellcheck disable=SC2086
-    "$LF" sweep "configs/cpu/$1.yaml" model.loops=32 eval.max_loops=128 ${entry#*:} \
-      --grid seed="${SCREEN_SEEDS:-0,1}" --out "$STUDY/screen-$1-$name" "${SW[@]}"
+    "$LF" sweep "configs/cpu/$1.yaml" model.loops=32 eval.max_loops=128 ${entry#*:} ${SCREEN_EXTRA:-} \
+      --grid seed="${SCREEN_SEEDS:-0,1}" --out "$STUDY/screen-$1-$name${SCREEN_TAG:-}" "${SW[@]}"
   done
 }
 
