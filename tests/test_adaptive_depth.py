@@ -206,6 +206,16 @@ def test_compile_without_a_compiler_is_refused(monkeypatch):
         generate(model(True), [[1, 2], [3]], SamplingConfig(max_new_tokens=3, halt="gate:0.5", compile=True))
 
 
+@pytest.mark.parametrize("case", ["no halting", "one prompt", "step schedule", "no cache", "logits"])
+def test_compile_where_nothing_would_run_compiled_is_refused(case):
+    """`compile` compiles the depth-wise tick; where generation would not run it, it is refused, never ignored."""
+    prompts = [[1, 2]] if case == "one prompt" else [[1, 2], [3]]
+    cfg = SamplingConfig(max_new_tokens=3, compile=True, halt=None if case == "no halting" else "gate:0.5",
+                         schedule="step" if case == "step schedule" else "depthwise")
+    with pytest.raises(UserError, match="depth-wise tick"):
+        generate(model(True), prompts, cfg, use_cache=case != "no cache", return_logits=case == "logits")
+
+
 def test_depthwise_generation_samples_reproducibly():
     m = model(True, seed=1)
     prompts = [[1, 2, 3], [4, 5], [6]]

@@ -163,6 +163,10 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig | None
         raise UserError(f"prompt ({P} tokens) + {N} new tokens exceed the model's context of {max_len}; "
                         "shorten them or generate without the cache")
     check_loops(cfg.loops, model.config.loops)
+    if cfg.compile and not (use_cache and cfg.halt is not None and cfg.schedule == "depthwise" and B > 1
+                            and not return_logits):   # what it compiles: nothing else runs it, so never ignored
+        raise UserError("compile applies to the depth-wise tick of exits in batched generation: a halting rule, "
+                        "the cache, the depthwise schedule and more than one prompt, without returned logits")
     if cfg.compile and not can_compile(device):
         raise UserError(f"compile needs torch.compile's code generation on {device.type} (a C++ compiler on a "
                         "CPU, Triton on CUDA)")
