@@ -17,8 +17,8 @@ import argparse
 
 import yaml
 
+from loopformer.device import check_device
 from loopformer.errors import UserError
-from loopformer.fileio import check_device
 
 
 def add_group(subparsers, name: str, help: str, description: str | None = None, metavar: str = "ACTION"):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from loopformer import fileio
+from loopformer import device
 from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.model.halting import HaltRule, criterion_holds
@@ -201,7 +201,7 @@ def test_compiled_tick_decodes_as_the_eager_tick():
 
 
 def test_compile_without_a_compiler_is_refused(monkeypatch):
-    monkeypatch.setattr(fileio.shutil, "which", lambda name: None)
+    monkeypatch.setattr(device.shutil, "which", lambda name: None)
     with pytest.raises(UserError, match="C\\+\\+ compiler"):
         generate(model(True), [[1, 2], [3]], SamplingConfig(max_new_tokens=3, halt="gate:0.5", compile=True))
 

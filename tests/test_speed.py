@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loopformer import fileio
+from loopformer import device
 from loopformer.errors import UserError
 from loopformer.model import LoopedTransformer
 from loopformer.model.config import ModelConfig
@@ -206,7 +206,7 @@ def test_compile_setting_and_the_auto_rule(monkeypatch):
     def cfg(*extra):
         return load_run_config(None, [*BASE, *TASKS["ed"], *extra])
 
-    monkeypatch.setattr(fileio.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(device.shutil, "which", lambda name: "/usr/bin/" + name)
     assert not compiles(cfg("train.compile=auto"), cpu, 999)                   # too short to repay compiling
     assert compiles(cfg("train.compile=auto"), cpu, 1000)
     assert not compiles(cfg("train.compile=auto"), mps, 5000)
@@ -223,7 +223,7 @@ def test_compile_setting_and_the_auto_rule(monkeypatch):
     assert step_scope(cfg("model.loops=4", "train.loops_sample=uniform", "train.loops_min=2")) == "block"
     with pytest.raises(ValueError, match="train.compile_scope"):
         TrainConfig(steps=1, compile_scope="layer")
-    monkeypatch.setattr(fileio.shutil, "which", lambda name: None)        # no C++ compiler
+    monkeypatch.setattr(device.shutil, "which", lambda name: None)        # no C++ compiler
     assert not compiles(cfg("train.compile=auto"), cpu, 5000)
 
 
@@ -274,7 +274,7 @@ def test_auto_falls_back_to_eager_when_compiling_fails(tmp_path, monkeypatch, ca
         return call
     monkeypatch.setattr(trainer_mod.torch, "compile", broken)
     monkeypatch.setattr(trainer_mod, "COMPILE_MIN_STEPS", 1)
-    monkeypatch.setattr(fileio.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(device.shutil, "which", lambda name: "/usr/bin/" + name)
     res = train(load_run_config(None, [*BASE, *TASKS["ed"], "train.compile=auto", f"out_dir={tmp_path / 'a'}"]))
     err = capsys.readouterr().err
     assert "compiling the training step failed, training eagerly (no compiler here)" in err

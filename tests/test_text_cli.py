@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from loopformer import fileio
+from loopformer import device
 from loopformer.cli import main
 from loopformer.model import LoopedTransformer, ModelConfig
 from loopformer.model.io import save_checkpoint
@@ -112,7 +112,7 @@ def test_generate_with_exits_in_both_schedules(setup, capsys, monkeypatch):
     assert main(args + ["--schedule", "step"]) == 0 and capsys.readouterr().out == deep
     assert deep.count("--- ") == 2
     assert main(args + ["--schedule", "sideways"]) == 2
-    monkeypatch.setattr(fileio.shutil, "which", lambda name: None)              # no C++ compiler: refused
+    monkeypatch.setattr(device.shutil, "which", lambda name: None)              # no C++ compiler: refused
     capsys.readouterr()
     assert main(args + ["--compile"]) == 2
     one_line_error(capsys, "C++ compiler")

@@ -22,8 +22,8 @@ import os
 from loopformer.analysis import continuity
 from loopformer.analysis.dynamics import analyze_dynamics
 from loopformer.commandline import add_device, add_group, add_quiet, add_rows
+from loopformer.device import pick_device
 from loopformer.errors import UserError
-from loopformer.fileio import pick_device
 from loopformer.model.io import load
 from loopformer.text.dataset import TokenCorpus
 

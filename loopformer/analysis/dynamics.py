@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from loopformer.configio import from_dict
+from loopformer.device import pick_device
 from loopformer.errors import UserError
 from loopformer.eval.drift import drift_report, drift_table
 from loopformer.eval.evaluate import evaluate
-from loopformer.fileio import pick_device, write_figure, write_json, write_text
+from loopformer.fileio import write_figure, write_json, write_text
 from loopformer.model.diagnostics import (
     fixed_modulation,
     loop_dynamics,

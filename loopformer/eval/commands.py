@@ -11,6 +11,7 @@ from pathlib import Path
 
 from loopformer.commandline import HALT_HELP, add_device, add_quiet, add_rows, parse_options
 from loopformer.configio import from_dict
+from loopformer.device import pick_device
 from loopformer.errors import UserError
 from loopformer.eval.budgets import budgets_plot, evaluate_budgets, format_budgets, parse_budgets
 from loopformer.eval.config import EvalConfig
@@ -18,7 +19,7 @@ from loopformer.eval.drift import drift_table
 from loopformer.eval.evaluate import check_eval_args, format_results
 from loopformer.eval.halting import format_halting, sweep_plot
 from loopformer.eval.run import EXTRAS, check_eval_config, evaluate_all
-from loopformer.fileio import check_figure_path, pick_device, write_json
+from loopformer.fileio import check_figure_path, write_json
 from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.model.memory import check_loops

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 
 from loopformer.commandline import HALT_HELP, add_device, add_group, add_quiet
+from loopformer.device import pick_device
 from loopformer.errors import UserError
 from loopformer.eval.config import EvalConfig
 from loopformer.eval.evaluate import check_eval_args
 from loopformer.eval.halting import format_halting
 from loopformer.eval.run import evaluate_all
-from loopformer.fileio import pick_device, write_json
+from loopformer.fileio import write_json
 from loopformer.model.halting import HaltRule
 from loopformer.model.io import load
 from loopformer.model.memory import check_loops

@@ -14,8 +14,8 @@ import os
 import sys
 
 from loopformer.commandline import add_device, add_group, add_halt, add_quiet
+from loopformer.device import pick_device
 from loopformer.errors import UserError
-from loopformer.fileio import pick_device
 from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.text.corpus import PrepareOptions, prepare_corpus
 from loopformer.text.dataset import TokenCorpus

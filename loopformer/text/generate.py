@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from loopformer.device import can_compile
 from loopformer.errors import UserError
-from loopformer.fileio import can_compile
 from loopformer.model.halting import NEEDS_PREVIOUS, HaltRule, criterion_holds, stops, update_streak
 from loopformer.model.memory import check_fits, check_loops, estimate
 

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from loopformer.configio import load_config, one_line, user_layers
+from loopformer.device import DEVICES
 from loopformer.errors import UserError
 from loopformer.eval.config import EvalConfig
 from loopformer.model.config import ModelConfig
@@ -34,7 +35,6 @@ SCHEDULES = ("linear", "cosine", "constant", "onecycle")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 COMPILE = ("auto", "true", "false")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 def _need(cond: bool, msg: str) -> None:

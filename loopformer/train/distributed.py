@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loopformer.fileio import pick_device
+from loopformer.device import pick_device
 
 
 @dataclass

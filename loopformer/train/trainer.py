@@ -37,9 +37,9 @@ from tqdm.auto import tqdm
 
 from loopformer import configio
 from loopformer.configio import to_dict
+from loopformer.device import can_compile
 from loopformer.errors import UserError
 from loopformer.eval.run import check_eval_config, evaluate_all
-from loopformer.fileio import can_compile
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, state_grad_norms, summarize_settle
 from loopformer.model.fixedpoint import solve_record
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint
