@@ -43,6 +43,9 @@ SCREENS=(
   "hold:train.loops_start=0 train.loops_sample=uniform train.loops_min=32 train.loops_max=48"
   "fixed-point-loss:train.fixed_point=0.1"
   "truncated-bptt:model.grad_loops=16"
+  "lr-1e-3:train.lr=1e-3"
+  "lr-5e-4:train.lr=5e-4"
+  "lr-4e-3:train.lr=4e-3"
 )
 # screen CONFIG: every entry of SCREENS ("recipe": the shipped recipe itself, on the same code and seeds) as its
 # own sweep, looped, seeds $SCREEN_SEEDS (default 0,1); $ONLY: the entries to run (names, space-separated);
