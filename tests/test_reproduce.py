@@ -124,6 +124,38 @@ def test_registry_errors(tmp_path, body, match):
         load_registry(str(path))
 
 
+PREPARE = '      prepare: [data, gen, pointer_chase, --out, "{data}/p", --train, "8", --test, "4"]\n'
+
+
+@pytest.mark.parametrize("edit,match", [
+    (("id: tiny", "id: ../elsewhere"), "claim id '../elsewhere'"),
+    (("group: tiny", "group: a/b"), "group 'a/b'"),
+    (("name: one loop,", "name: .hidden,"), "arm '.hidden'"),
+    (("      arms:\n", PREPARE.replace("data, gen", "convert, x.pt") + "      arms:\n"), "may run text prepare or "),
+    (("      arms:\n", PREPARE.replace('"{data}/p"', "/tmp/anywhere") + "      arms:\n"), "one --out under {data}"),
+    (("      arms:\n", PREPARE.replace('"{data}/p"', '"{data}/../../x"') + "      arms:\n"), "under {data}"),
+    (("      arms:\n", PREPARE.replace("]", ", --force]") + "      arms:\n"), "may not pass --force"),
+])
+def test_registry_names_and_prepare_steps_stay_under_out(tmp_path, capsys, edit, match):
+    """Claim ids, groups and arms are one folder name each, and a prepare step writes only under the report's data
+    folder: anything else is one line (exit 2) before any work."""
+    path = _registry(tmp_path)
+    path.write_text(path.read_text().replace(*edit, 1))
+    rc = main(["reproduce", "--registry", str(path), "--out", str(tmp_path / "o"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and match in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_shows_the_prepare_steps(tmp_path, capsys):
+    path = _registry(tmp_path)
+    path.write_text(path.read_text().replace("      arms:\n", PREPARE + "      arms:\n", 1))
+    assert main(["reproduce", "--registry", str(path), "--out", str(tmp_path / "o"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"prepare tiny: loopformer data gen pointer_chase --out {tmp_path / 'o' / 'data'}/p" in out
+    assert not (tmp_path / "o").exists()
+
+
 def test_unknown_claim_and_bad_options_exit_2(tmp_path, capsys):
     reg = str(_registry(tmp_path))
     for argv, match in [(["--claims", "nope"], "unknown claim"), (["--seeds", "0"], "--seeds"),

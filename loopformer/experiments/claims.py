@@ -28,6 +28,31 @@ from loopformer.errors import UserError
 
 RULES = ("paired", "at_least", "at_most")
 KINDS = ("train", "theory")
+PREPARE_COMMANDS = (("text", "prepare"), ("data", "gen"))   # what an experiment's `prepare` step may run
+
+
+def check_name(kind: str, name: str) -> None:
+    """A claim id, group or arm name names folders under the report's `--out`: one path component (no separators,
+    no leading dot, at most 100 characters), else a ValueError naming it."""
+    if not name or len(name) > 100 or name.startswith(".") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"{kind} {name!r}: a name must be one folder name (no '/', no leading '.', at most 100 "
+                         "characters)")
+
+
+def check_prepare(group: str, prepare: list[str]) -> None:
+    """An experiment's `prepare` step writes only under the report's data folder: `text prepare` or `data gen` with
+    `--out {data}/...` (no '..'), never `--force` (which would replace a folder it did not make)."""
+    if not prepare:
+        return
+    where = f"group {group!r}: prepare"
+    if tuple(prepare[:2]) not in PREPARE_COMMANDS:
+        raise ValueError(f"{where} may run {' or '.join(' '.join(c) for c in PREPARE_COMMANDS)} only "
+                         f"(got {' '.join(prepare[:2])!r})")
+    if "--force" in prepare:
+        raise ValueError(f"{where} may not pass --force")
+    outs = [prepare[i + 1] for i, a in enumerate(prepare[:-1]) if a == "--out"]
+    if len(outs) != 1 or not (outs[0] == "{data}" or outs[0].startswith("{data}/")) or ".." in outs[0].split("/"):
+        raise ValueError(f"{where} must write with one --out under {{data}} (the report's data folder)")
 VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not run")
 
 
@@ -76,6 +101,7 @@ class Claim:
     docs: str = ""                    # the page that discusses it
 
     def __post_init__(self) -> None:
+        check_name("claim id", self.id)
         if self.kind not in KINDS:
             raise ValueError(f"claim {self.id}: kind must be one of {KINDS}")
         if self.rule.kind not in RULES:
@@ -85,6 +111,8 @@ class Claim:
                 if exp is None:
                     continue
                 names = [a.name for a in exp.arms]
+                for name in names:
+                    check_name("arm", name)
                 if len(set(names)) != len(names):
                     raise ValueError(f"claim {self.id}: two arms share a name")
                 for need in (self.rule.a, self.rule.b) if self.rule.kind == "paired" else (self.rule.a,):
@@ -92,6 +120,8 @@ class Claim:
                         raise ValueError(f"claim {self.id}: rule names arm {need!r}, not one of {names}")
                 if not exp.group or not exp.config or exp.seeds < 1:
                     raise ValueError(f"claim {self.id}: an experiment needs a group, a config and seeds >= 1")
+                check_name("group", exp.group)
+                check_prepare(exp.group, exp.prepare)
 
 
 @dataclass

@@ -136,21 +136,27 @@ def estimate(runs: list[PlannedRun], theory: int, jobs: int, gpu: bool = False) 
             "seconds": secs / max(1, min(jobs, len(todo) or 1)) + theory * THEORY_S}
 
 
-def prepare_data(claims: list[Claim], out: Path, scale: str, progress: bool) -> None:
-    """Run each experiment's `prepare` command once (e.g. tokenising a corpus into OUT/data)."""
-    done: set[str] = set()
+def prepare_commands(claims: list[Claim], out: Path, scale: str) -> list[tuple[str, list[str]]]:
+    """(group, the `loopformer` arguments of its `prepare` step) for each experiment that has one, once per group
+    (each writes under OUT/data: `claims.check_prepare`)."""
+    done: dict[str, list[str]] = {}
     for c in claims:
         exp = experiment_of(c, scale)
-        if exp is None or not exp.prepare or exp.group in done:
-            continue
-        done.add(exp.group)
-        cmd = [sys.executable, "-m", "loopformer.cli", *_expand(exp.prepare, out / "data")]
+        if exp is not None and exp.prepare and exp.group not in done:
+            done[exp.group] = _expand(exp.prepare, out / "data")
+    return list(done.items())
+
+
+def prepare_data(claims: list[Claim], out: Path, scale: str, progress: bool) -> None:
+    """Run each experiment's `prepare` command once (e.g. tokenising a corpus into OUT/data)."""
+    for group, args in prepare_commands(claims, out, scale):
+        cmd = [sys.executable, "-m", "loopformer.cli", *args]
         if progress:
-            print(f"reproduce: preparing data for {exp.group}: loopformer {' '.join(cmd[3:])}", file=sys.stderr)
+            print(f"reproduce: preparing data for {group}: loopformer {' '.join(args)}", file=sys.stderr)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
-            raise UserError(f"preparing data for {exp.group} failed: {last}")
+            raise UserError(f"preparing data for {group} failed: {last}")
 
 
 def run_theory(out: Path, progress: bool) -> dict[str, Any]:
@@ -414,6 +420,8 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
     if not start:
         if gpu_plan and not torch.cuda.is_available():
             print("--scale paper: no CUDA device here — the runs it would make:")
+        for group, cmd in prepare_commands(claims, out, key):
+            print(f"  prepare {group}: loopformer {' '.join(cmd)}")
         for r in runs:
             print(f"  {r.spec.out_dir}: {r.spec.config} {' '.join(r.spec.overrides)}")
         return {"judged": [], "files": {}, "estimate": est, "ran": False}
