@@ -205,6 +205,12 @@ def test_analyze_continuity_cli(tmp_path, capsys, monkeypatch):
     assert code == 2 and "--scales" in capsys.readouterr().err
     code = main(["analyze", "continuity", str(tmp_path / "tmlt"), "--data", str(tmp_path / "nodata")])
     assert code == 2 and "not a prepared corpus" in capsys.readouterr().err
+    # sized before allocating: a million windows are refused in one line, with the estimate
+    code = main(["analyze", "continuity", str(tmp_path / "tmlt"), "--data", str(tmp_path / "data"),
+                 "--samples", "1000000000", "--length", "12", "--out", str(tmp_path / "huge")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "continuity measurement" in err
+    assert not (tmp_path / "huge").exists()
 
 
 @pytest.mark.slow

@@ -57,6 +57,7 @@ from loopformer import fileio
 from loopformer.errors import UserError
 from loopformer.model.diagnostics import modulation_stats
 from loopformer.model.maps import EmbeddingMap, LoopedEmbeddingMap
+from loopformer.model.memory import check_fits, estimate
 from loopformer.text.corpus import perturb_tokens  # noqa: F401  (the perturbed corpus lives with the corpora)
 from loopformer.theory.moduli import estimate_modulus
 
@@ -476,9 +477,15 @@ def continuity_of_checkpoint(model, tokens: np.ndarray, vocab_size: int, cfg: Co
                              progress: bool = True) -> ContinuityReport:
     """Measure a `LoopedTransformer` on windows of a token split."""
     T = min(cfg.length, model.config.max_len) if model.config.pos == "learned" else cfg.length
+    device = next(model.parameters()).device
+    R, mc = loops or model.config.loops, model.config
+    # sized before anything is drawn: every loop's state kept (the loop-wise ratios), the local Lipschitz constant's
+    # double backward (a training-sized graph), and the attention probabilities of every loop and layer
+    parts = estimate(mc, batch=cfg.samples, seq_len=T, loops=R, training=bool(cfg.power_iters), read_outs=R)
+    parts["attention"] = 4 * cfg.samples * R * mc.n_layers * mc.n_heads * T * T * (3 if cfg.power_iters else 1)
+    check_fits(parts, device, "the continuity measurement", hint="fewer --samples or a shorter --length")
     idx = sample_windows(tokens, cfg.samples, T, cfg.seed)
 
-    device = next(model.parameters()).device
     rep = measure_continuity(LoopedEmbeddingMap(model, loops, output), idx.to(device), vocab_size, cfg,
                              progress=progress)
     rep.gates = modulation_stats(model, loops or model.config.loops) or {}
