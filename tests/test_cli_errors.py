@@ -32,13 +32,16 @@ def listing(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    """A finished tiny run (checkpoint, metrics, results)."""
-    base = tmp_path_factory.mktemp("cli")
+def train_tiny(base: Path) -> Path:
+    """A finished tiny run (checkpoint, metrics, results): BASE/run."""
     (base / "tiny.yaml").write_text(TINY_YAML)
     assert main(["train", str(base / "tiny.yaml"), f"out_dir={base / 'run'}", "--quiet"]) == 0
     return base / "run"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return train_tiny(tmp_path_factory.mktemp("cli"))
 
 
 # ------------------------------------------------------------------------------------------------ configs

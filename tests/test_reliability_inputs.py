@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_cli_errors import TINY_YAML, error_line
+from test_cli_errors import TINY_YAML, error_line, train_tiny
 from test_convert import ckpt
 
 import loopformer.model.io as ckpt_io
@@ -49,10 +49,9 @@ def dead_pid() -> int:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("inputs")
-    (base / "tiny.yaml").write_text(TINY_YAML)
-    assert main(["train", str(base / "tiny.yaml"), f"out_dir={base / 'run'}", "--quiet"]) == 0
-    return base / "run"
+    return train_tiny(tmp_path_factory.mktemp("inputs"))
+
+
 
 
 @pytest.fixture()
