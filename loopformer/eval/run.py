@@ -54,8 +54,18 @@ def evaluate_all(model: torch.nn.Module, data: DataSource, cfg: EvalConfig, *, l
     r = cfg.loops or trained
     wise = loopwise and cfg.loopwise
     common = dict(batch_size=cfg.batch_size, limit=cfg.n, device=device, progress=progress)
-    res = fixed_depth(raw, data, loops=r, max_loops=(cfg.max_loops or min(2 * r, loop_cap(trained))) if wise else 0,
-                      loopwise=wise, autocast=autocast, votes=cfg.votes, step_halt=cfg.step_halt, **common)
+    want = (cfg.max_loops or min(2 * r, loop_cap(trained))) if wise else 0
+    drift = extras and cfg.drift and 4 * r <= loop_cap(trained)
+    # one pass to 4r serves the loop-wise curve and the drift diagnostics (cut back to the curve asked for), except
+    # for a budget-aware model, whose loop t depends on the run's length
+    share = drift and wise and want < 4 * r and raw.config.timestep_time != "normalized"
+    res = fixed_depth(raw, data, loops=r, max_loops=4 * r if share else want, loopwise=wise, autocast=autocast,
+                      votes=cfg.votes, step_halt=cfg.step_halt, **common)
+    curve = [float(p[data.metric]) for p in res["loopwise"]]
+    if share:
+        res["max_loops"] = R = max(r, want)
+        res["loopwise"] = res["loopwise"][:R]
+        res["stepwise"] = [p for p in res["stepwise"] if p["loop"] <= R]
     if not extras:
         return res
     rules = parse_rules(cfg.halt)
@@ -65,8 +75,7 @@ def evaluate_all(model: torch.nn.Module, data: DataSource, cfg: EvalConfig, *, l
         res["budgets"] = budget_runs(raw, data, sorted(set(cfg.budgets)), autocast=autocast, halt=rules, **common)
     if cfg.halt_sweep:
         res["halting_sweep"] = threshold_sweep(raw, data, cfg.halt_sweep, loops=r, **common)
-    if cfg.drift and 4 * r <= loop_cap(trained):
-        curve = [float(p[data.metric]) for p in res["loopwise"]]
+    if drift:
         res["drift"] = drift_report(raw, data, loops=r, batch_size=cfg.batch_size, limit=cfg.n, device=device,
                                     autocast=autocast, curve=curve if len(curve) >= 4 * r else None)
     return res
