@@ -15,6 +15,8 @@
 #   bash studies/stability/stability_study.sh screen-schedule    #   seeds 0-1 (SCREENS below; ~17 min / ~8 min a run);
 #                                                      #   SCREEN_SEEDS=1 ONLY="recipe sandwich": some of them;
 #                                                      #   SCREEN_EXTRA=model.timestep=true SCREEN_TAG=-tmlt: TMLT
+#   bash studies/stability/stability_study.sh confirm-schedule   # the combination CONFIRM (below) on the circuit, looped
+#   bash studies/stability/stability_study.sh confirm-pointer    #   and TMLT, seeds 0-4, paired with the baseline
 #   bash studies/stability/stability_study.sh collect            # tables and compact results into studies/stability/
 # Cost on 2 CPU cores: two runs at a time ($JOBS), one thread each.
 set -euo pipefail
@@ -61,16 +63,25 @@ screen() {
   done
 }
 
+# the combination confirmed with 5 seeds: stablemax cross-entropy and state noise in training (each rescued failing
+# seeds alone in the screens); confirm CONFIG: looped and TMLT over $SEEDS, as the baseline
+CONFIRM=(train.loss=stablemax model.state_noise=0.05)
+confirm() {
+  baseline "$1" "confirm-$1" "${CONFIRM[@]}"
+}
+
 stage() {
   case "$1" in
     baseline-schedule) baseline schedule baseline-schedule ;;
     baseline-pointer)  baseline pointer baseline-pointer ;;
     screen-pointer)    screen pointer ;;
     screen-schedule)   screen schedule ;;
+    confirm-schedule)  confirm schedule ;;
+    confirm-pointer)   confirm pointer ;;
     collect)           collect studies/stability ;;
     *) echo "unknown stage: $1" >&2; exit 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,18p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
