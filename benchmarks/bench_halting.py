@@ -34,6 +34,7 @@ from loopformer.configio import from_dict  # noqa: E402
 from loopformer.eval.halting import evaluate_halting  # noqa: E402
 from loopformer.model import LoopedTransformer, ModelConfig  # noqa: E402
 from loopformer.model.io import load, read_config, resolve_checkpoint  # noqa: E402
+from loopformer.model.options import LoopOptions
 from loopformer.sources import TaskConfig, make_data  # noqa: E402
 from loopformer.text.generate import SamplingConfig, generate  # noqa: E402
 
@@ -72,11 +73,11 @@ def rows_random(args) -> list[tuple[str, float, float, float, float]]:
     P = torch.zeros_like(x, dtype=torch.bool)
     P[:, -1] = True                                  # each row is judged at one (answer) position, as a task's
     with torch.no_grad():
-        model(x), model(x, halt="gate:0.5", halt_positions=P)                        # warm-up
+        model(x), model(x, halt="gate:0.5", opts=LoopOptions(halt_positions=P))                        # warm-up
         fixed, halted = [], []
         for _ in range(args.reps):   # interleaved, so load changes affect both alike
             fixed.append(timed(lambda: model(x), args.device)[0])
-            t, out = timed(lambda: model(x, halt="gate:0.5", halt_positions=P), args.device)
+            t, out = timed(lambda: model(x, halt="gate:0.5", opts=LoopOptions(halt_positions=P)), args.device)
             halted.append(t)
     mean = float(out.exit_loops.float().mean())
     return [("gate:0.5", mean, statistics.median(fixed), statistics.median(halted), args.loops / mean)]

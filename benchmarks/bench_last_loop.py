@@ -1,6 +1,6 @@
 """The last loop at the read positions only: a training forward and backward of a looped model whose loss reads a
 few positions (edit distance: the 2 answer tokens of 18), with the last loop computed everywhere against computed
-at those positions only (`LoopedTransformer.forward(read_only=True)`), side by side in one process (interleaved
+at those positions only (`LoopOptions(read_only=True)`), side by side in one process (interleaved
 repetitions, medians), for several loop counts. Printed: ms per forward+backward of each, their ratio, and the
 largest difference of the read-outs.
 
@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from loopformer.model import LoopedTransformer  # noqa: E402
 from loopformer.model.config import ModelConfig  # noqa: E402
+from loopformer.model.options import LoopOptions
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
 
         def step(read_only: bool, model: LoopedTransformer = model, x: torch.Tensor = x) -> torch.Tensor:
             model.zero_grad(set_to_none=True)
-            out = model(x, return_all=True, read_at=at, read_only=read_only)
+            out = model(x, return_all=True, opts=LoopOptions(read_at=at, read_only=read_only))
             out.all_logits.square().mean().backward()
             return out.all_logits.detach()
 

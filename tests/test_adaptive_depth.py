@@ -14,6 +14,7 @@ from loopformer.errors import UserError
 from loopformer.model.config import ModelConfig
 from loopformer.model.halting import HaltRule, criterion_holds
 from loopformer.model.looped import LoopedTransformer
+from loopformer.model.options import LoopOptions
 from loopformer.text.generate import SamplingConfig, generate
 
 RULES = ["latent:0.3", "kl:0.05", "entropy:2.5", "argmax:1", "argmax:2", "gate:0.5", "kl:0.2,min=3",
@@ -58,7 +59,7 @@ def test_each_row_returns_the_fixed_depth_run_at_its_exit_loop(causal):
     seen = set()
     for text in RULES:
         rule = HaltRule.parse(text)
-        out = m(x, halt=rule, per_token=False)
+        out = m(x, halt=rule, opts=LoopOptions(per_token=False))
         assert out.exit_loops.tolist() == reference_exits(m, x, rule, 6).tolist(), text
         seen.update(out.exit_loops.tolist())
         for b in range(x.shape[0]):
@@ -87,7 +88,7 @@ def test_halt_positions_choose_what_a_row_is_judged_on():
     x = torch.randint(0, 17, (5, 9))
     P = torch.zeros(5, 9, dtype=torch.bool)
     P[:, 3] = True
-    out = m(x, halt="argmax:1", halt_positions=P)
+    out = m(x, halt="argmax:1", opts=LoopOptions(halt_positions=P))
     with torch.no_grad():
         full = m(x, loops=6, return_all=True)
     pred = full.all_logits[:, :, 3].argmax(-1)                      # [R,B]: the judged position's prediction
@@ -230,7 +231,7 @@ def test_bad_halting_arguments():
     with pytest.raises(UserError, match="halting"):
         SamplingConfig(halt="kl")
     with pytest.raises(UserError, match="causal"):
-        model(False)(torch.randint(0, 17, (2, 4)), halt="kl:1", per_token=True)
+        model(False)(torch.randint(0, 17, (2, 4)), halt="kl:1", opts=LoopOptions(per_token=True))
     m = model(True)
     with pytest.raises(UserError, match="exit gate"):
         LoopedTransformer(m.config.replace(exit_gate=False))(torch.randint(0, 17, (2, 4)), halt="gate:0.5")

@@ -11,6 +11,7 @@ from loopformer.eval.drift import THRESHOLDS, drift_report, drift_table, spectra
 from loopformer.model import LoopedTransformer
 from loopformer.model.config import ModelConfig
 from loopformer.model.diagnostics import state_grad_norms
+from loopformer.model.options import LoopOptions
 from loopformer.sources import make_data
 from loopformer.train.config import load_run_config
 
@@ -47,7 +48,8 @@ def test_spectral_radius_against_exact_eigenvalues_and_the_identity():
         h = m(x, loops=3).hidden
     exact = []
     for b in range(3):            # rows are independent: row b's Jacobian [T·D, T·D], its eigenvalues
-        f = lambda s, b=b: m(x[b:b + 1], state=s.view(1, 5, 16), loops=1, loop_offset=3).hidden.flatten()  # noqa: E731
+        f = lambda s, b=b: m(x[b:b + 1], loops=1,  # noqa: E731
+                             opts=LoopOptions(state=s.view(1, 5, 16), loop_offset=3)).hidden.flatten()
         J = torch.autograd.functional.jacobian(f, h[b].flatten())
         exact.append(float(torch.linalg.eigvals(J).abs().max()))
     assert torch.allclose(torch.tensor(rho), torch.tensor(exact), rtol=3e-2)
@@ -95,7 +97,7 @@ def test_state_grad_norms_against_the_remaining_loops_run_at_once():
     want = []
     for t in range(1, R + 1):
         h = m(x, loops=t).hidden.detach().requires_grad_(True)
-        logits = m(x, state=h, loops=R - t, loop_offset=t).logits if t < R else m.head(m.norm_f(h))
+        logits = m(x, loops=R - t, opts=LoopOptions(state=h, loop_offset=t)).logits if t < R else m.head(m.norm_f(h))
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), y.reshape(-1), ignore_index=-100)
         (g,) = torch.autograd.grad(loss, h)
         want.append(float(g.flatten(1).norm(dim=1).mean()))

@@ -18,6 +18,7 @@ from loopformer.eval.budgets import evaluate_budgets, parse_budgets
 from loopformer.eval.evaluate import evaluate
 from loopformer.model import LoopedTransformer, ModelConfig
 from loopformer.model.convert import to_normalized_time
+from loopformer.model.options import LoopOptions
 from loopformer.sources import TokenData
 from loopformer.tasks import IGNORE
 from loopformer.train.config import load_run_config
@@ -56,7 +57,7 @@ def test_row_loops_equal_fixed_runs(time, timestep):
     m = _model(time, timestep)
     x = torch.randint(0, 16, (5, 12))
     rows = torch.tensor([1, 3, 4, 2, 6])
-    out = m(x, loops=6, row_loops=rows, return_all=True)
+    out = m(x, loops=6, return_all=True, opts=LoopOptions(row_loops=rows))
     for b in range(5):
         ref = m(x[b:b + 1], loops=int(rows[b]))
         torch.testing.assert_close(out.logits[b], ref.logits[0], atol=1e-5, rtol=1e-5)
@@ -69,11 +70,11 @@ def test_row_loops_refused_when_malformed():
     m = _model()
     x = torch.randint(0, 16, (2, 12))
     with pytest.raises(UserError, match="one loop count per row"):
-        m(x, loops=4, row_loops=torch.tensor([1, 2, 3]))
+        m(x, loops=4, opts=LoopOptions(row_loops=torch.tensor([1, 2, 3])))
     with pytest.raises(UserError, match=r"1\.\.4"):
-        m(x, loops=4, row_loops=torch.tensor([0, 2]))
+        m(x, loops=4, opts=LoopOptions(row_loops=torch.tensor([0, 2])))
     with pytest.raises(UserError, match=r"1\.\.4"):
-        m(x, loops=4, row_loops=torch.tensor([5, 2]))
+        m(x, loops=4, opts=LoopOptions(row_loops=torch.tensor([5, 2])))
 
 
 def test_normalized_time_is_the_loop_index_at_r_and_stretches_elsewhere():
@@ -110,8 +111,8 @@ def test_normalized_run_continues_past_its_budget():
     m = _model("normalized", loops=4)
     x = torch.randint(0, 16, (2, 12))
     h = m(x, loops=3).hidden
-    cont = m(x, loops=2, state=h, loop_offset=3, budget=3)
-    whole = m(x, loops=5, budget=3)
+    cont = m(x, loops=2, opts=LoopOptions(state=h, loop_offset=3, budget=3))
+    whole = m(x, loops=5, opts=LoopOptions(budget=3))
     torch.testing.assert_close(cont.logits, whole.logits, atol=1e-5, rtol=1e-5)
 
 

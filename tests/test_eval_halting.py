@@ -13,6 +13,7 @@ from test_train import TINY
 from loopformer.cli import main
 from loopformer.eval.halting import best_rule, evaluate_halting, format_halting, halting_sweep
 from loopformer.model import LoopedTransformer
+from loopformer.model.options import LoopOptions
 from loopformer.sources import make_data
 from loopformer.train.config import load_run_config
 
@@ -35,7 +36,7 @@ def test_halting_metrics_are_the_exits_scored_by_hand():
     y = torch.as_tensor(np.asarray(data.test["targets"], dtype=np.int64))
     with torch.no_grad():
         full = model(x, loops=4, return_all=True).all_logits.argmax(-1)               # [R,N,T]
-        out = model(x, halt="argmax:1", halt_positions=y != -100)
+        out = model(x, halt="argmax:1", opts=LoopOptions(halt_positions=y != -100))
     pred = full[out.exit_loops - 1, torch.arange(len(x))].numpy()                    # each row at its exit loop
     r = res["rules"][0]
     assert r["metrics"] == pytest.approx(data.task.metrics(pred, data.test), nan_ok=True)
@@ -117,7 +118,7 @@ def test_causal_models_halt_per_token_in_evaluation():
     n_supervised = int((np.asarray(data.test["targets"]) != -100).sum())
     x = torch.as_tensor(np.asarray(data.test["inputs"], dtype=np.int64))
     y = torch.as_tensor(np.asarray(data.test["targets"], dtype=np.int64))
-    out = model(x, halt="argmax:1", halt_positions=y != -100)
+    out = model(x, halt="argmax:1", opts=LoopOptions(halt_positions=y != -100))
     assert out.exit_loops.shape == x.shape                           # per token
     assert early["mean_loops"] == pytest.approx(out.exit_loops[y != -100].float().mean().item())
     assert n_supervised > len(x)

@@ -11,6 +11,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from loopformer.errors import UserError
 from loopformer.model import LoopedTransformer, ModelConfig
 from loopformer.model.fixedpoint import Backward, anderson, broyden, loop_map
+from loopformer.model.options import LoopOptions
 
 D = 8
 
@@ -222,10 +223,10 @@ def test_calls_that_need_the_unrolled_loop_are_refused():
     with pytest.raises(UserError, match="per-loop read-outs in training"):
         m(X, return_all=True)
     with pytest.raises(UserError, match="row_loops"):
-        m(X, row_loops=torch.tensor([1, 2]))
+        m(X, opts=LoopOptions(row_loops=torch.tensor([1, 2])))
     m.eval()
     with pytest.raises(UserError, match="halting"):
-        m(X, halt="kl:1e-3", per_token=False)
+        m(X, halt="kl:1e-3", opts=LoopOptions(per_token=False))
     causal = LoopedTransformer(ModelConfig(vocab_size=11, d_model=16, n_heads=2, loops=4, input_injection=True,
                                            solver="broyden", solver_backward="phantom:1"))
     with pytest.raises(UserError, match="key/value cache"):

@@ -5,6 +5,7 @@ import torch
 
 from loopformer.errors import UserError
 from loopformer.model import PRESETS, LoopedTransformer, ModelConfig, preset
+from loopformer.model.options import LoopOptions
 
 
 def tiny(**kw) -> ModelConfig:
@@ -127,10 +128,10 @@ def test_loop_override_and_every_loop_outputs():
 
 def test_halting_stops_early_and_reports_loops():
     model = LoopedTransformer(tiny(timestep=True, timestep_gate_init=0.0, loops=10)).eval()   # identity at init
-    out = model(ids(), halt="latent:1e-6", per_token=False)
+    out = model(ids(), halt="latent:1e-6", opts=LoopOptions(per_token=False))
     assert out.loops == 2 and (out.exit_loops == 2).all()
     model2 = perturb(LoopedTransformer(tiny(loops=10))).eval()
-    assert model2(ids(), halt="latent:1e-12", per_token=False).loops == 10
+    assert model2(ids(), halt="latent:1e-12", opts=LoopOptions(per_token=False)).loops == 10
 
 
 def _loss_and_grads(model, x):

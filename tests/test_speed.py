@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from loopformer import device
 from loopformer.errors import UserError
 from loopformer.model import LoopedTransformer
 from loopformer.model.config import ModelConfig
+from loopformer.model.options import LoopOptions
 from loopformer.tasks import IGNORE
 from loopformer.train import trainer as trainer_mod
 from loopformer.train.compiling import block_compiled, eager
@@ -53,8 +55,8 @@ def test_read_at_equals_the_full_read_out_at_those_positions():
     at = torch.tensor([0, 5, 17, 30, 35])                                      # flattened B·T positions
     with torch.no_grad():
         full = m(x, return_all=True)
-        part = m(x, return_all=True, read_at=at, read_loops=2)
-        last = m(x, read_at=at)
+        part = m(x, return_all=True, opts=LoopOptions(read_at=at, read_loops=2))
+        last = m(x, opts=LoopOptions(read_at=at))
     flat = full.all_logits.flatten(1, 2)                                       # [R,B·T,C]
     assert part.all_logits.shape == (2, 5, 7) and last.logits.shape == (5, 7)
     torch.testing.assert_close(part.all_logits, flat[-2:, at], rtol=1e-6, atol=1e-6)
@@ -94,7 +96,7 @@ def test_read_only_last_loop_equals_the_full_loop_at_the_read_positions(kind):
 
     def run(read_only):
         m.zero_grad()
-        out = m(x, return_all=True, read_at=at, read_loops=3, read_only=read_only, **kw)
+        out = m(x, return_all=True, **kw, opts=LoopOptions(read_at=at, read_loops=3, read_only=read_only))
         (out.all_logits * y).sum().backward()
         return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
@@ -150,19 +152,20 @@ def test_read_only_is_ignored_where_it_cannot_apply():
                                       causal=False, dropout=0.1)).eval()
     x, at = torch.randint(0, 11, (2, 9)), torch.tensor([1, 10])
     with torch.no_grad():
-        assert m(x, read_at=at, read_only=True).hidden.shape == (2, 9, 16)              # dropout in the model
+        sparse = LoopOptions(read_at=at, read_only=True)
+        assert m(x, opts=sparse).hidden.shape == (2, 9, 16)              # dropout in the model
         m2 = LoopedTransformer(ModelConfig(vocab_size=11, n_out=7, d_model=16, n_heads=2, loops=3, max_len=9,
                                            causal=False)).eval()
         rows = torch.tensor([2, 3])
-        assert m2(x, read_at=at, read_only=True, row_loops=rows).hidden.shape == (2, 9, 16)   # a loop count per row
-        assert m2(x, read_at=at, read_only=True).hidden.shape == (2, 16)
+        assert m2(x, opts=replace(sparse, row_loops=rows)).hidden.shape == (2, 9, 16)   # a loop count per row
+        assert m2(x, opts=sparse).hidden.shape == (2, 16)
 
 
 def test_read_at_is_refused_for_a_pooled_sequence_head():
     m = LoopedTransformer(ModelConfig(vocab_size=5, n_out=3, d_model=8, n_heads=2, max_len=4, head="sequence",
                                       causal=False))
     with pytest.raises(UserError, match="read_at"):
-        m(torch.zeros(2, 4, dtype=torch.long), read_at=torch.tensor([1]))
+        m(torch.zeros(2, 4, dtype=torch.long), opts=LoopOptions(read_at=torch.tensor([1])))
 
 
 def test_read_positions():

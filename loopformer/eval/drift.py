@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loopformer.eval.evaluate import loop_metrics
 from loopformer.model.looped import unwrap
+from loopformer.model.options import LoopOptions
 from loopformer.sources import DataSource
 from loopformer.tasks import IGNORE
 
@@ -75,7 +76,7 @@ def spectral_radius(model: torch.nn.Module, x: torch.Tensor, *, loops: int, iter
             h = net(x, loops=loops).hidden.float()                                       # [B,T,D]
 
         def step(s: torch.Tensor) -> torch.Tensor:                                       # F(s) = TF(s (+ e), loops)
-            return net(x, state=s, loops=1, loop_offset=loops).hidden
+            return net(x, loops=1, opts=LoopOptions(state=s, loop_offset=loops)).hidden
 
         g = torch.Generator(device="cpu").manual_seed(seed)
         v = torch.randn(h.shape, generator=g).to(h.device)

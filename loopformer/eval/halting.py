@@ -26,6 +26,7 @@ from loopformer.eval.evaluate import check_eval_args, fixed_depth
 from loopformer.fileio import write_figure
 from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.model.looped import unwrap
+from loopformer.model.options import LoopOptions
 from loopformer.sources import DataSource
 
 SWEEP_THRESHOLDS: dict[str, tuple[float, ...]] = {   # from stopping early to stopping late
@@ -127,8 +128,9 @@ def rules_side_by_side(raw: torch.nn.Module, data: DataSource, parsed: Sequence[
     forwards = {"fixed": _timed(lambda x, P: raw(x, loops=R), clock, "fixed", device)}
     for r in parsed:   # a rule's own max bounds it unless `loops` is given
         budget = R if loops or r.max_loops is None else r.max_loops
-        forwards[str(r)] = _timed(lambda x, P, r=r, b=budget: raw(x, loops=b, halt=r, halt_positions=P), clock,
-                                  str(r), device)
+        forwards[str(r)] = _timed(lambda x, P, r=r, b=budget: raw(x, loops=b, halt=r,
+                                                                   opts=LoopOptions(halt_positions=P)),
+                                  clock, str(r), device)
     try:
         first = next(data.test_batches(min(batch_size, 8), 8))          # warm-up: first-call costs are not timed
         raw(data.as_tensors(first, device)["inputs"], loops=R)

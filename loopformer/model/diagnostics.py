@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loopformer.model.layers import PARAM_GROUPS, param_group
+from loopformer.model.options import LoopOptions
 
 
 def grad_norms(model: torch.nn.Module) -> dict[str, float]:
@@ -116,17 +117,17 @@ def state_grad_norms(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
     """‖∂L/∂h_t‖ for t = 1..loops (per row over T·D, mean over rows), L the loss of the read-out after the last loop
     (cross-entropy per supervised token, or weighted squared error), in eval mode (no dropout, no RNG drawn).
 
-    The loop is run one loop per call from the carried state (`forward(state=h, loop_offset=t)`, exactly the
+    The loop is run one loop per call from the carried state (`LoopOptions(state=h, loop_offset=t)`, exactly the
     unrolled loop) so that every h_t is a tensor of the graph; the gradients do not touch the parameters'
     `.grad`.  inputs [B,T] ids or [B,T,d] reals, targets [B,T]."""
     was_training = model.training
     model.eval()
     try:
         with torch.enable_grad():
-            out = model(inputs, loops=1, budget=loops)
+            out = model(inputs, loops=1, opts=LoopOptions(budget=loops))
             hs = [out.hidden]                                                          # h_1: [B,T,D]
             for t in range(1, loops):
-                out = model(inputs, state=hs[-1], loops=1, loop_offset=t, budget=loops)
+                out = model(inputs, loops=1, opts=LoopOptions(state=hs[-1], loop_offset=t, budget=loops))
                 hs.append(out.hidden)
             logits = out.logits.float()                                                # [B,T,C]
             if targets.dtype.is_floating_point:

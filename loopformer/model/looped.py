@@ -4,14 +4,19 @@
     looped        a block of n_layers = k layers (usually 1) applied r = loops times, weights shared
     TMLT          the block also receives the loop index t (timestep modulation, Sec. 4.2)
     injection     the read-in embedding e is added to the hidden state before every loop after the first
-    carried state forward(x, state=h) starts the loops from a given hidden state h (+ e with injection) instead of
-                  e: one supervision step of deep supervision (`loopformer.model.recursion`)
+    carried state forward(x, opts=LoopOptions(state=h)) starts the loops from a given hidden state h (+ e with
+                  injection) instead of e: one supervision step of deep supervision (`loopformer.model.recursion`)
     stabilisers   the start state, state noise in training, the branches' scale, sandwich norms
                   (`loopformer.model.stability`): off by default
     fixed point   solver="anderson" | "broyden": h* = TF(h* + e, r − 1) solved instead of unrolled, with an implicit or
                   phantom gradient (`loopformer.model.fixedpoint`): off by default
     budgets       timestep_time="normalized": the block reads the time t / R of a run of R loops and its step 1 / R
-                  (a budget-aware model); forward(x, row_loops=[B]) runs every row with a loop count of its own
+                  (a budget-aware model); LoopOptions(row_loops=[B]) runs every row with a loop count of its own
+    exits         forward(x, halt="kl:1e-3"): every row (or token) loops until a halting rule says it is done
+                  (`loopformer.model.exits`)
+
+A call's options beyond a plain fixed-depth run (a carried state, training's read positions, budgets, the exits'
+positions) come grouped in one `LoopOptions` (`loopformer.model.options`), so the loop below stays readable.
 
 Shapes: B batch, T length, D width, R loops, k layers per block, C outputs, V vocabulary.
 The timestep modulations depend on t only, so they are computed once per forward for all R loops.
@@ -20,7 +25,7 @@ Annotations here are evaluated (no `from __future__ import annotations`): the Hu
 `config: ModelConfig` from `__init__` to rebuild the config from a checkpoint's config.json in `from_pretrained`.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -29,27 +34,15 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch.utils.checkpoint import checkpoint
 
 from loopformer.errors import UserError
-from loopformer.model.cache import DepthwiseKV, KVCache, RunningKV
+from loopformer.model.cache import DepthwiseKV, KVCache
 from loopformer.model.config import ModelConfig
-from loopformer.model.fixedpoint import SolveInfo, fixed_point, require_unroll
-from loopformer.model.halting import ExitGate, HaltRule, criterion_holds, stops, update_streak
+from loopformer.model.exits import halting_forward
+from loopformer.model.fixedpoint import fixed_point, require_unroll
+from loopformer.model.halting import ExitGate, HaltRule
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import Modulation, RMSNorm, TimestepEmbedder, is_timestep_param, make_layer
+from loopformer.model.options import PLAIN, Begin, LoopOptions, LoopOutput
 from loopformer.model.stability import perturb, start_state
-
-
-@dataclass
-class LoopOutput:
-    logits: torch.Tensor                         # [B,T,C] ([B,C] for a sequence head)
-    hidden: torch.Tensor                         # [B,T,D] residual stream after the last loop (before norm/head)
-    all_logits: torch.Tensor | None = None    # [R,B,T,C]: the read-out applied after every loop
-    all_hidden: torch.Tensor | None = None    # [R,B,T,D]
-    loops: int = 0                               # loops actually run (fewer than asked when halting early)
-    stop_logits: torch.Tensor | None = None      # [B,T] the exit gate's stop logits after the last loop
-    exit_loops: torch.Tensor | None = None       # with a halting rule: the loop each row [B] (per token: [B,T])
-                                                    # stopped after, 1..R
-    all_stop_logits: torch.Tensor | None = None  # [R,B,T] ... after every loop (with return_all)
-    solve: SolveInfo | None = None               # the fixed-point mode: iterations and residual of the solve
 
 
 def unwrap(model: torch.nn.Module) -> "LoopedTransformer":
@@ -175,175 +168,70 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *, loops: int | None = None, attn_mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                return_all: bool = False, halt: HaltRule | str | None = None,
-                halt_positions: torch.Tensor | None = None, per_token: bool | None = None,
-                state: torch.Tensor | None = None, loop_offset: int = 0, read_at: torch.Tensor | None = None,
-                read_loops: int | None = None, budget: int | None = None,
-                row_loops: torch.Tensor | None = None, read_only: bool = False) -> LoopOutput:
+                positions: torch.Tensor | None = None, cache: KVCache | None = None, return_all: bool = False,
+                halt: HaltRule | str | None = None, opts: LoopOptions = PLAIN) -> LoopOutput:
         """Run L1, then the block `loops` times, then L2.
 
         x: [B,T] token ids or [B,T,input_dim] reals.  attn_mask: [B,S] key-padding mask (True = real token),
-        S = cached + T.  cache: from `new_cache` (generation; each loop reads its own slot).
+        S = cached + T.  positions: learned positions of the tokens (default: counted from the first real one).
+        cache: from `new_cache` (generation; each loop reads its own slot).
         return_all: also return every loop's hidden state and read-out.
-        halt: adaptive depth per row, or per token (`per_token`, default for causal models), by a `HaltRule` (or its
-        text, e.g. "kl:1e-3"): see `halting_forward`; halt_positions [B,T] bool: the positions a row's criterion
-        is taken over (default: every real token).
-        state: [B,T,D] hidden state to start from (a carried state; default: the read-in e), loop_offset: the index
-        of the first loop for the timestep encoding (`loop_indices`). With `state`, `loops=R, loop_offset=o`
-        continues exactly where a call with `o` loops left off (its `hidden`).
-        read_at: [N] indices into the B·T flattened positions: L2 reads out only there (training reads the positions
-        its loss looks at): logits [N,C], all_logits and all_hidden [R',N,·]; `hidden` stays [B,T,D].
-        read_loops: with return_all, the per-loop read-out of the last `read_loops` loops only (R' of them).
-        budget: the loop count of the whole run a budget-aware model (`timestep_time="normalized"`) times its loops
-        by (default loop_offset + loops; larger when this call continues a run, e.g. loops past the budget).
-        row_loops: [B] int, a loop count per row (1..loops): row b stops after row_loops[b] loops — its state, and
-        so its read-out, is that of a run with that many loops (and, budget-aware, that budget).
-        read_only: with read_at, nothing but the read-outs at read_at is wanted (a training step whose loss reads
-        them): the last layer of the last loop computes those positions only (`Layer.forward_at`; its keys and
-        values still come from every position), and `hidden` is then [N,D] at read_at. Ignored where it cannot
-        apply (a cache, row_loops, dropout, a budget per row).
+        halt: adaptive depth per row, or per token, by a `HaltRule` (or its text, e.g. "kl:1e-3"): the exits of
+        `loopformer.model.exits`.
+        opts: the options of deep supervision (a carried state), training's read-out, elastic depth and exits
+        (`LoopOptions`; none by default).
         """
         if halt is not None:
-            if state is not None or loop_offset:
+            if opts.state is not None or opts.loop_offset:
                 raise UserError("halting runs from the read-in: state and loop_offset cannot be combined with it")
-            return self.halting_forward(x, halt, loops=loops, attn_mask=attn_mask, positions=positions, cache=cache,
-                                        halt_positions=halt_positions, per_token=per_token)
+            return halting_forward(self, x, halt, loops, attn_mask, positions, cache, opts)
         cfg = self.config
-        R = self._check_call(x, loops, cache)
-        if row_loops is not None:
-            row_loops = self._check_rows(x, row_loops, R, cache)                       # [B]
-        past = cache.length if cache is not None else 0
-        mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
-        e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
+        run = self.begin(x, loops, attn_mask, positions, cache)                       # R, e [B,T,D], mask
+        R, e, mask = run.loops, run.e, run.mask
+        rows = None if opts.row_loops is None else self._check_rows(x, opts.row_loops, R, cache)   # [B]
         if cfg.solver != "unroll":                   # the fixed-point mode: h* = TF(h* + e, r − 1), no unrolled loop
-            h, states, solved = fixed_point(self, e, mask, state, R, return_all, row_loops)
-            return replace(self._read_out(h, states, attn_mask, solved.iters, read_at, read_loops), solve=solved)
-        mods = self._loop_modulations(R, x.device, cache, loop_offset,                 # [R,k,4,D] | None
-                                      row_loops if row_loops is not None and budget is None else budget,
+            h, states, solved = fixed_point(self, e, mask, opts.state, R, return_all, rows)
+            return replace(self._read_out(h, states, attn_mask, solved.iters, opts.read_at, opts.read_loops),
+                           solve=solved)
+        mods = self._loop_modulations(R, x.device, cache, opts.loop_offset,           # [R,k,4,D] | None
+                                      rows if rows is not None and opts.budget is None else opts.budget,
                                       prepared=True)
         grad = torch.is_grad_enabled()
         grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
         use_ckpt = cfg.checkpoint and grad and cache is None
-        sparse = read_only and read_at is not None and cache is None and row_loops is None and cfg.dropout == 0 \
-            and (mods is None or mods.dim() == 4)                                      # the last loop at read_at
-        h0 = start_state(e, cfg, self.training) if state is None else state          # None: start from e itself
+        sparse = opts.read_only and opts.read_at is not None and cache is None and rows is None \
+            and cfg.dropout == 0 and (mods is None or mods.dim() == 4)                 # the last loop at read_at
+        h0 = start_state(e, cfg, self.training) if opts.state is None else opts.state  # None: start from e itself
         h, states = (e if h0 is None else h0), []
         for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
             h_prev = h
             if (t > 0 or h0 is not None) and cfg.input_injection:
                 h = h + e
             mods_t = None if mods is None else mods[t]
-            at = read_at if sparse and t == R - 1 else None                            # -> h: [N,D]
+            at = opts.read_at if sparse and t == R - 1 else None                       # -> h: [N,D]
             with torch.set_grad_enabled(grad and t >= grad_from):
                 if use_ckpt and t >= grad_from:
                     h = checkpoint(self._block, h, mods_t, mask, None, t, at, use_reentrant=False)
                 else:
                     h = self._block(h, mods_t, mask, cache, t, at)
             h = perturb(h, cfg, self.training)      # state noise (training only; `loopformer.model.stability`)
-            if row_loops is not None:                # rows past their own loop count keep their state
-                h = torch.where((row_loops > t)[:, None, None], h, h_prev)
+            if rows is not None:                     # rows past their own loop count keep their state
+                h = torch.where((rows > t)[:, None, None], h, h_prev)
             if return_all:
                 states.append(h)
         if cache is not None:
             cache.length += x.shape[1]
-        return self._read_out(h, states if return_all else None, attn_mask, R, read_at, read_loops)   # L2
+        return self._read_out(h, states if return_all else None, attn_mask, R, opts.read_at, opts.read_loops)  # L2
 
-    @torch.no_grad()
-    def halting_forward(self, x: torch.Tensor, halt: HaltRule | str, *, loops: int | None = None,
-                        attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                        cache: KVCache | None = None, halt_positions: torch.Tensor | None = None,
-                        per_token: bool | None = None) -> LoopOutput:
-        """Adaptive depth (inference): every row — in a causal model every token — loops until `halt` says it is
-        done (`loopformer.model.halting`), at most R loops (`loops`, else the rule's max, else the model's).
-
-        Per row: the rows still running are gathered into a smaller batch before each loop; a row that stops
-        leaves it, its hidden state is scattered back, and the read-out is taken once at the end. A row's output is
-        exactly that of a fixed-depth run with its exit loop (no row sees another).
-        Per token (causal models; the only mode with a key/value cache): a token that stops keeps its hidden state,
-        and in every later loop its keys/values are those of its deepest computed loop (the policy later tokens
-        and later generation steps read: `RunningKV`); a row leaves the batch when all its tokens have stopped.
-        Without a cache the call uses a temporary one, so a full recomputation and cached generation follow the
-        same policy.  Returns `exit_loops` [B] (per token [B,T]); `loops` is the most loops any row ran.
-        """
-        cfg = self.config
-        require_unroll(cfg, "halting (adaptive depth)")
-        rule = HaltRule.parse(halt) if isinstance(halt, str) else halt
-        per_token = cfg.causal if per_token is None else per_token
-        if per_token and not cfg.causal:
-            raise UserError("per-token halting needs a causal model (a token may not see later tokens)")
-        if cache is not None and not per_token:
-            raise UserError("halting with a key/value cache is per token (per_token=True)")
-        R = loops if loops is not None else (cache.loops if cache is not None else (rule.max_loops or cfg.loops))
-        R = self._check_call(x, R, cache)
-        bound = min(rule.bound(R), R)
-        B, T = x.shape[:2]
-        if per_token and cache is None:   # a temporary cache holds the frozen keys/values of stopped tokens
-            cache = self.new_cache(B, max_len=T, loops=R)
+    def begin(self, x: torch.Tensor, loops: int | None, attn_mask: torch.Tensor | None,
+              positions: torch.Tensor | None, cache: KVCache | None) -> Begin:
+        """What every run of the block starts from, for `forward`'s loop and the exits alike: the call checked,
+        its loop count R (`loops`, default the model's), the read-in e = L1(x) and the attention mask."""
+        R = self._check_call(x, loops, cache)
         past = cache.length if cache is not None else 0
-        mask = self._mask(attn_mask, T, past, x.device)                                # [B|1,1,T,S] | None
+        mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
-        mods = self._loop_modulations(R, x.device, cache, prepared=True)               # [R,k,4,D] | None
-        P = halt_positions if halt_positions is not None else \
-            (attn_mask[:, past:].bool() if attn_mask is not None and T > 1 else None)  # [B,T] | None: all
-
-        tokenwise = per_token and T > 1              # one new token per row (generation): its row is its token
-        run = torch.arange(B, device=x.device)                                         # the running rows
-        h, h_out = e, torch.empty_like(e)                                              # [n,T,D], [B,T,D]
-        exits = torch.full((B, T) if tokenwise else (B,), bound, dtype=torch.long, device=x.device)
-        streak = torch.zeros_like(exits)                                               # [n] | [n,T]
-        going = torch.ones(B, T, dtype=torch.bool, device=x.device) if tokenwise else None   # [n,T] not stopped
-        ex_run, P_run, all_going = exits, P, True                                      # ... of the running rows
-        logits_prev, e_run, mask_run = None, e, mask
-        for t in range(bound):                      # ---- the loop over the running rows:  h <- TF(h (+ e), t) ----
-            inp = h + e_run if (t > 0 and cfg.input_injection) else h
-            kv = RunningKV(cache, run, going, len(self.blocks), all_going) if per_token else None
-            h_new = self._block(inp, None if mods is None else mods[t], mask_run, kv, t)
-            if not all_going:                        # stopped tokens keep their state
-                h_new = torch.where(going[..., None], h_new, h)
-            logits = self.head(self.norm_f(h_new), None if attn_mask is None else attn_mask[run]) \
-                if rule.needs_read_out else None
-            holds = criterion_holds(rule, hidden=h_new, hidden_prev=h if t > 0 else None, logits=logits,
-                                    logits_prev=logits_prev, positions=P_run,
-                                    stop_logits=None if self.exit_gate is None else self.exit_gate(h_new),
-                                    per_token=tokenwise)
-            streak = update_streak(streak, holds)
-            done = stops(rule, streak, t + 1, R)                                       # [n] | [n,T]
-            if tokenwise:
-                ex_run = torch.where(done & going, t + 1, ex_run)
-                going = going & ~done
-                left = ~(going if P_run is None else going & P_run).any(-1)           # [n]: every token stopped
-            else:
-                left = done
-            h = h_new
-            if bool(left.any()):                     # rows that stopped leave the batch
-                gone = run[left]
-                h_out[gone] = h[left]
-                exits[gone] = ex_run[left] if tokenwise else t + 1
-                if per_token and t + 1 < R:
-                    kv.freeze_rows(gone, t + 1, T)
-                stay = ~left
-                run, h, streak = run[stay], h[stay], streak[stay]
-                logits = None if logits is None else logits[stay]
-                e_run, mask_run = e[run], self._rows(mask, run, B)
-                P_run = None if P is None else P[run]
-                if tokenwise:
-                    going, ex_run = going[stay], ex_run[stay]
-            logits_prev = logits
-            if run.numel() == 0:
-                break
-            if tokenwise:
-                all_going = bool(going.all())
-        if run.numel():
-            h_out[run] = h
-            exits[run] = ex_run if tokenwise else bound
-        if per_token and not tokenwise:
-            exits = exits[:, None]                                                     # [B,1]
-        if cache is not None:
-            cache.length += T
-        out = self._read_out(h_out, None, attn_mask, int(exits.max()))                 # L2
-        out.exit_loops = exits
-        return out
+        return Begin(R, e, mask, past)
 
     @torch.no_grad()
     def loop_rows(self, x: torch.Tensor, t: torch.Tensor, cache: KVCache, cols: torch.Tensor,
@@ -376,13 +264,6 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         if cache.row_mods is None:
             cache.row_mods = torch.cat([mods[:, :, :2], 1 + mods[:, :, 2:]], dim=2).flatten(1, 2).unsqueeze(2)
         return cache.row_mods
-
-    @staticmethod
-    def _rows(mask: torch.Tensor | None, run: torch.Tensor, B: int) -> torch.Tensor | None:
-        """The attention mask of the running rows (a mask shared by all rows stays as it is)."""
-        if mask is None or mask.shape[0] == 1 or run.numel() == B:
-            return mask
-        return mask[run]
 
     # ------------------------------------------------------------------ forward's parts
     def _check_call(self, x: torch.Tensor, loops: int | None, cache: KVCache | None) -> int:

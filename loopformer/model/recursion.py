@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from loopformer.model.looped import LoopOutput, unwrap
+from loopformer.model.options import LoopOptions
 
 
 def step_offset(step_timestep: str, step: int, loops: int) -> int:
@@ -62,8 +63,8 @@ def supervision_steps(net: torch.nn.Module, x: torch.Tensor, steps: int, loops: 
         if run_step is not None:
             out = run_step(s, h, offset)
         else:
-            out = net(x, loops=R, state=h, loop_offset=offset, return_all=return_all, read_at=read_at,
-                      read_loops=read_loops)
+            out = net(x, loops=R, return_all=return_all,
+                      opts=LoopOptions(state=h, loop_offset=offset, read_at=read_at, read_loops=read_loops))
         yield out
         h = out.hidden.detach() if detach else out.hidden
 

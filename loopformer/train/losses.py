@@ -2,7 +2,7 @@
 
 Supervised positions (`supervised`): a class target other than IGNORE, or a regression weight above 0 (every
 position when a regression batch has no weight). The trainer's read-out looks only there (`read_positions`,
-`at_read`: the read-outs and targets as one row of n positions, `LoopedTransformer.forward(read_at=)`).
+`at_read`: the read-outs and targets as one row of n positions, `LoopOptions.read_at`).
 Per-loop loss (Sec. 5 / App. C.1.3: Sudoku and ICL put every loop's read-out in the loss, as Yang et al. 2023;
 `loss_loops`):
     last       the read-out after the last loop only
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from loopformer.errors import UserError
 from loopformer.model.halting import row_mean
 from loopformer.model.looped import LoopOutput
+from loopformer.model.options import LoopOptions
 from loopformer.tasks.base import IGNORE
 from loopformer.tasks.common import loop_steps
 from loopformer.train.config import TrainConfig
@@ -266,12 +267,12 @@ def elastic_losses(model: torch.nn.Module, tc: TrainConfig, final: int, mb: dict
             t_rows = None if rows is None else (torch.clamp(2 * rows, max=hi) if double
                                                 else torch.full_like(rows, hi))
             with torch.no_grad():
-                teacher = model(x, loops=R2, read_at=at, row_loops=t_rows).logits
+                teacher = model(x, loops=R2, opts=LoopOptions(read_at=at, row_loops=t_rows)).logits
             keep = supervised(mb["targets"], mb.get("weight"))                              # [B,T]
             keep = keep.flatten().index_select(0, at) if at is not None else keep
             total = total + tc.consistency * scale * consistency_loss(out.logits, teacher, keep)
     if tc.fixed_point > 0:
-        nxt = model(x, loops=tc.fixed_point_loops, state=out.hidden, loop_offset=R, budget=R).hidden
+        nxt = model(x, loops=tc.fixed_point_loops, opts=LoopOptions(state=out.hidden, loop_offset=R, budget=R)).hidden
         n_pos = out.hidden.shape[0] * out.hidden.shape[1] * tc.grad_accum
         total = total + tc.fixed_point * fixed_point_loss(nxt, out.hidden) / n_pos
     return total

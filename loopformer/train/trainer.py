@@ -45,6 +45,7 @@ from loopformer.model.fixedpoint import solve_record
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
 from loopformer.model.memory import check_fits, estimate
+from loopformer.model.options import LoopOptions
 from loopformer.model.recursion import supervision_steps
 from loopformer.sources import DataSource, make_data
 from loopformer.tasks import IGNORE
@@ -377,8 +378,9 @@ class Trainer:
         `n_read` read-outs (None: the final one) at the positions `at` — one graph when compiled. `row_loops`: a
         loop count per row (budgets drawn per row). `read_only`: nothing but the loss reads the output, so the last
         loop computes the positions `at` only (`LoopedTransformer.forward`)."""
-        out = self.net(x, loops=R, state=state, loop_offset=offset, return_all=return_all, read_at=at,
-                       read_loops=read_loops, row_loops=row_loops, read_only=read_only)
+        out = self.net(x, loops=R, return_all=return_all,
+                       opts=LoopOptions(state=state, loop_offset=offset, read_at=at, read_loops=read_loops,
+                                        row_loops=row_loops, read_only=read_only))
         logits = out.logits if n_read is None else out.all_logits[-n_read:]
         if out.all_logits is not None:   # a copy, not a view of all_logits: compiled graphs whose outputs alias
             out.logits = out.logits.clone()   # each other fail when replayed from torch's compilation cache
