@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from loopformer.model import LoopedTransformer, ModelConfig
+from loopformer.model import LoopedTransformer, LoopOptions, ModelConfig
 from loopformer.model.layers import rms_norm
 from loopformer.model.stability import branch_constant, rms
 
@@ -100,6 +100,8 @@ def test_defaults_are_the_plain_model():
     (dict(start_noise=math.nan), "start_noise must lie in"),
     (dict(layerscale_init=0.0), "layerscale_init must lie in"),
     (dict(sandwich_norm=True, compat="authors"), "compat=authors"),
+    (dict(grad_window=0), "grad_window must be >= 1"),
+    (dict(grad_window=2, solver="anderson"), "grad_window applies to the unrolled loop"),
 ])
 def test_bad_stabiliser_values_are_refused(bad, msg):
     with pytest.raises(ValueError, match=msg):
@@ -168,6 +170,59 @@ def test_noise_start_and_state_noise_against_hand_computation():
     torch.testing.assert_close(m(x).hidden, _by_hand_loops(m, x, 3))
 
 
+def _per_loop_grads(m, x, window_at=()):
+    """d(Σ_t loss_t)/d(block weights) with loss_t = mean of loop t's read-out squared, the loop written out by hand
+    and the carried state detached before the loops in `window_at` (0-based)."""
+    m.zero_grad()
+    e = m.embed(x)
+    h, loss = e, 0.0
+    for t in range(4):
+        if t in window_at:
+            h = h.detach()
+        if t > 0:
+            h = h + e
+        h = m.blocks[0](h)
+        loss = loss + m.head(m.norm_f(h)).pow(2).mean()
+    loss.backward()
+    return [p.grad.clone() for p in m.blocks.parameters()]
+
+
+def test_grad_window_against_hand_computation():
+    """grad_window = k: the same forward, and the gradient of every loop's loss cut where a window starts (loops
+    k, 2k, ...), as the loop written out with those detaches; k >= r is the full gradient; evaluation unchanged."""
+    torch.manual_seed(0)
+    m = LoopedTransformer(_cfg(grad_window=2)).train()
+    plain = LoopedTransformer(_cfg()).train()
+    plain.load_state_dict(m.state_dict())
+    x = torch.randint(0, 11, (2, 6))
+
+    def model_grads(net):
+        net.zero_grad()
+        out = net(x, return_all=True)
+        out.all_logits.pow(2).mean(dim=(1, 2, 3)).sum().backward()
+        return [p.grad.clone() for p in net.blocks.parameters()]
+
+    torch.testing.assert_close(m(x).hidden, plain(x).hidden)                     # the forward is unchanged
+    windowed, full = model_grads(m), model_grads(plain)
+    for got, want in zip(windowed, _per_loop_grads(m, x, window_at=(2,))):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(full, _per_loop_grads(plain, x)):
+        torch.testing.assert_close(got, want)
+    assert any(not torch.allclose(a, b) for a, b in zip(windowed, full))         # the window does cut something
+    wide = LoopedTransformer(_cfg(grad_window=4)).train()
+    wide.load_state_dict(m.state_dict())
+    for got, want in zip(model_grads(wide), full):
+        torch.testing.assert_close(got, want)
+    # in evaluation mode (e.g. the Jacobian of the drift diagnostics) the loop's gradient is whole
+    m.eval()
+    h = m.embed(x).detach().requires_grad_()
+    m(x, opts=LoopOptions(state=h)).hidden.sum().backward()
+    plain.eval()
+    h2 = h.detach().clone().requires_grad_()
+    plain(x, opts=LoopOptions(state=h2)).hidden.sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad)
+
+
 def test_zeros_start_is_the_input_start_with_injection():
     torch.manual_seed(0)
     z = LoopedTransformer(_cfg(start_state="zeros")).train()
@@ -185,8 +240,9 @@ def test_stabilised_model_trains_and_resumes_through_the_trainer(tmp_path):
     ov = ["task.name=pointer_chase", "task.options={symbols: 6, hops: 2}", "task.n_train=64", "task.n_test=16",
           "model.d_model=16", "model.n_heads=2", "model.loops=3", "model.input_injection=true",
           "model.start_state=noise", "model.state_noise=0.05", "model.loop_scale=layerscale",
-          "model.sandwich_norm=true", "train.loss=stablemax", "train.steps=4", "train.batch_size=8",
-          "train.compile=false", "log.tensorboard=false", "log.progress=false", f"out_dir={tmp_path / 'r'}"]
+          "model.sandwich_norm=true", "model.grad_window=2", "train.loss=stablemax", "train.steps=4",
+          "train.batch_size=8", "train.compile=false", "log.tensorboard=false", "log.progress=false",
+          f"out_dir={tmp_path / 'r'}"]
     res = train(load_run_config(None, ov))
     assert 0 <= res["test"]["accuracy"] <= 1
     m = load(tmp_path / "r")

@@ -80,6 +80,8 @@ class ModelConfig:
                                       # "layerscale" (a learned vector per branch, started at layerscale_init)
     layerscale_init: float = 0.1
     sandwich_norm: bool = False       # an RMSNorm on each branch's output too (norms on both sides of the branch)
+    grad_window: int | None = None    # training: the carried state is detached every grad_window loops, so each
+                                      # loop's loss backpropagates through at most that many loops (null: all)
     # the fixed-point mode (loopformer.model.fixedpoint; docs/stability.md): solve h* = TF(h* + e, r − 1)
     solver: str = "unroll"            # "unroll" (the loop as written) | "anderson" | "broyden" (needs input_injection)
     solver_tol: float = 1e-3          # stop when every row's ‖F(h) − h‖ / ‖F(h)‖ is at most this (0: max iterations)
@@ -160,6 +162,7 @@ class ModelConfig:
         need(self.step_timestep in ("continue", "restart"),
              f"step_timestep must be 'continue' or 'restart' (got {self.step_timestep!r})")
         need(self.grad_loops is None or self.grad_loops >= 1, "grad_loops must be >= 1 (or null for all loops)")
+        need(self.grad_window is None or self.grad_window >= 1, "grad_window must be >= 1 (or null for all loops)")
         need(self.compat in ("none", "authors"), f"compat must be 'none' or 'authors' (got {self.compat!r})")
         if self.tie_embeddings:
             need(self.vocab_size > 0 and self.head == "lm" and self.out_dim == self.vocab_size,

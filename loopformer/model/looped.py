@@ -42,7 +42,7 @@ from loopformer.model.halting import ExitGate, HaltRule
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import Modulation, RMSNorm, TimestepEmbedder, is_timestep_param, make_layer
 from loopformer.model.options import PLAIN, Begin, LoopOptions, LoopOutput
-from loopformer.model.stability import perturb, start_state
+from loopformer.model.stability import cut, perturb, start_state
 
 
 def unwrap(model: torch.nn.Module) -> "LoopedTransformer":
@@ -204,7 +204,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         h0 = start_state(e, cfg, self.training) if opts.state is None else opts.state  # None: start from e itself
         h, states = (e if h0 is None else h0), []
         for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
-            h_prev = h
+            h = h_prev = cut(h, cfg, t, grad and self.training)   # a gradient window starts (`grad_window`)
             if (t > 0 or h0 is not None) and cfg.input_injection:
                 h = h + e
             mods_t = None if mods is None else mods[t]

@@ -22,6 +22,14 @@ the field reports for looped / recurrent-depth models:
     sandwich_norm   an RMSNorm (learned gain, started at 1) on each branch's output before the residual add, as well
                     as the pre-norm on its input (Huginn's sandwich): X' = X + c ⊙ RMSN(Attn(RMSN(X))), which bounds
                     every update's size however the weights grow.
+    grad_window     in training, the carried state is detached before every k-th loop (k = `grad_window`): the loss
+                    read after loop t backpropagates through loops ⌊(t−1)/k⌋·k + 1 .. t only — at most k applications
+                    of the block — and into the read-in through every injection. Unlike `grad_loops` (the gradient
+                    of the last loops only), every loop's own loss still trains the block; with per-loop targets
+                    (`task.loop_targets`) each loop learns its step from the states the model itself reaches. An
+                    expanding loop map (spectral radius ρ > 1) multiplies the gradient by up to ρ per loop it
+                    crosses, so the window bounds that growth to ρ^k instead of ρ^r (docs/stability.md). The
+                    forward pass, and so evaluation, is unchanged.
 
 Under timestep modulation the gate multiplies the scaled branch: X' = X + γ1(t) ⊙ c ⊙ RMSN(Attn(α1(t) ⊙ RMSN(X))).
 The stablemax cross-entropy (the loss side of these remedies) is `loopformer.train.losses.stablemax_cross_entropy`.
@@ -99,6 +107,13 @@ def perturb(h: torch.Tensor, cfg, training: bool) -> torch.Tensor:
     return h + torch.randn_like(h) * (cfg.state_noise * rms(h.detach()))
 
 
+def cut(h: torch.Tensor, cfg, t: int, train: bool) -> torch.Tensor:
+    """The carried state entering loop t (0-based): detached where a gradient window starts (`grad_window` k:
+    t = k, 2k, ...; `train`: in training with gradients recorded), else h itself.  [B,T,D]."""
+    k = cfg.grad_window
+    return h.detach() if train and k and t and t % k == 0 else h
+
+
 def check(cfg) -> None:
     """The stabiliser fields of a ModelConfig, checked (ValueError naming the field: a config error)."""
     if cfg.start_state not in START_STATES:
@@ -114,6 +129,9 @@ def check(cfg) -> None:
             raise ValueError(f"{name} must lie in [0, 100] (got {v})")
     if not (math.isfinite(cfg.layerscale_init) and 0 < cfg.layerscale_init <= 10):
         raise ValueError(f"layerscale_init must lie in (0, 10] (got {cfg.layerscale_init})")
+    if cfg.grad_window is not None and cfg.solver != "unroll":
+        raise ValueError("grad_window applies to the unrolled loop (solver=unroll); the fixed-point mode's "
+                         "gradient is set by solver_backward")
     if (cfg.sandwich_norm or cfg.loop_scale != "none") and cfg.compat == "authors" and not cfg.timestep:
         raise ValueError("sandwich_norm and loop_scale apply to the standard layer, not the published "
                          "code's looped layer (compat=authors)")

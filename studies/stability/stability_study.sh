@@ -45,6 +45,8 @@ SCREENS=(
   "hold:train.loops_start=0 train.loops_sample=uniform train.loops_min=32 train.loops_max=48"
   "fixed-point-loss:train.fixed_point=0.1"
   "truncated-bptt:model.grad_loops=16"
+  "grad-window:model.grad_window=1"
+  "grad-window-4:model.grad_window=4"
   "lr-1e-3:train.lr=1e-3"
   "lr-5e-4:train.lr=5e-4"
   "lr-4e-3:train.lr=4e-3"
