@@ -51,6 +51,82 @@ def edit_distance_dp(a, la, b, lb, c_ins, c_del, c_rep):
 
 
 @numba.njit(cache=True)
+def _random_letters(rng, avail, t, out, m):
+    """out[:m] = m letters drawn uniformly (with repetition) from the alphabet avail[:t]."""
+    for j in range(m):
+        out[j] = avail[rng.integers(0, t)]
+
+
+@numba.njit(cache=True)
+def _edit(rng, s, m, avail, t):
+    """One random edit of s[:m] in place: a deletion, a replacement or an insertion, equally likely, at a uniform
+    position (a deletion that would leave fewer than 3 letters becomes an insertion). Returns the new length, or -1
+    when an insertion finds no room in `s` (s unchanged)."""
+    op = rng.integers(0, 3)
+    if op == 0 and m > 2:                                   # delete
+        p = rng.integers(0, m)
+        for j in range(p, m - 1):
+            s[j] = s[j + 1]
+        return m - 1
+    if op == 1:                                             # replace
+        p = rng.integers(0, m)
+        s[p] = avail[rng.integers(0, t)]
+        return m
+    p = rng.integers(0, m + 1)                              # insert
+    c = avail[rng.integers(0, t)]
+    if m + 1 > s.shape[0]:
+        return -1
+    for j in range(m, p, -1):
+        s[j] = s[j - 1]
+    s[p] = c
+    return m + 1
+
+
+@numba.njit(cache=True)
+def _edited_copy(rng, s1, L, s2, k, avail, t):
+    """s2 = s1[:L] after k random edits (`_edit`); returns the length of s2. Stops early when an insertion finds no
+    room or s2 grows past 2L + 6 letters (hopelessly long: the pair is redrawn)."""
+    for j in range(L):
+        s2[j] = s1[j]
+    m = L
+    for _ in range(k):
+        edited = _edit(rng, s2, m, avail, t)
+        if edited < 0:
+            break
+        m = edited
+        if m > 2 * L + 6:
+            break
+    return m
+
+
+@numba.njit(cache=True)
+def _draw_pair(rng, L, k, amin, amax, pool, p_random, perm, avail, s1, s2):
+    """One draw of a pair: an alphabet of t letters, s1 (L letters from it), then s2, random with probability
+    p_random (length uniform in [L-3, L+2]) or else s1 after k edits. Returns the length of s2."""
+    t = rng.integers(amin, amax + 1)
+    draw_alphabet(rng, t, pool, perm, avail)
+    _random_letters(rng, avail, t, s1, L)
+    if rng.random() < p_random:
+        m = rng.integers(L - 3, L + 3)
+        _random_letters(rng, avail, t, s2, m)
+        return m
+    return _edited_copy(rng, s1, L, s2, k, avail, t)
+
+
+@numba.njit(cache=True)
+def _kept(s1, L, s2, m):
+    """Whether a drawn pair is kept: s2's length m is in [L-3, L+2] and s2[:m] differs from s1[:L]."""
+    if m < L - 3 or m > L + 2:
+        return False
+    if m != L:
+        return True
+    for j in range(L):
+        if s1[j] != s2[j]:
+            return True
+    return False
+
+
+@numba.njit(cache=True)
 def _generate(rng, n, L, amin, amax, pool, p_random, c_ins, c_del, c_rep, T, rows, start, length, answer, len1, len2):
     perm = np.empty(26, np.int64)
     avail = np.empty(26, np.int64)
@@ -58,51 +134,9 @@ def _generate(rng, n, L, amin, amax, pool, p_random, c_ins, c_del, c_rep, T, row
     s2 = np.empty(2 * L + 8, np.int64)
     for i in range(n):
         k = rng.integers(1, L + 1)                         # number of edits (drawn once, kept on redraws)
-        while True:
-            t = rng.integers(amin, amax + 1)
-            draw_alphabet(rng, t, pool, perm, avail)
-            for j in range(L):
-                s1[j] = avail[rng.integers(0, t)]
-            if rng.random() < p_random:
-                m = rng.integers(L - 3, L + 3)
-                for j in range(m):
-                    s2[j] = avail[rng.integers(0, t)]
-            else:
-                m = L
-                for j in range(L):
-                    s2[j] = s1[j]
-                for _ in range(k):
-                    op = rng.integers(0, 3)
-                    if op == 0 and m > 2:                   # delete
-                        p = rng.integers(0, m)
-                        for j in range(p, m - 1):
-                            s2[j] = s2[j + 1]
-                        m -= 1
-                    elif op == 1:                           # replace
-                        p = rng.integers(0, m)
-                        s2[p] = avail[rng.integers(0, t)]
-                    else:                                   # insert
-                        p = rng.integers(0, m + 1)
-                        c = avail[rng.integers(0, t)]
-                        if m + 1 > s2.shape[0]:
-                            break
-                        for j in range(m, p, -1):
-                            s2[j] = s2[j - 1]
-                        s2[p] = c
-                        m += 1
-                    if m > 2 * L + 6:                       # hopelessly long: redraw
-                        break
-            if m < L - 3 or m > L + 2:
-                continue
-            same = m == L
-            if same:
-                for j in range(L):
-                    if s1[j] != s2[j]:
-                        same = False
-                        break
-            if same:
-                continue
-            break
+        m = _draw_pair(rng, L, k, amin, amax, pool, p_random, perm, avail, s1, s2)
+        while not _kept(s1, L, s2, m):                     # redraw (alphabet included)
+            m = _draw_pair(rng, L, k, amin, amax, pool, p_random, perm, avail, s1, s2)
         # shorter string first
         d = edit_distance_dp(s1, L, s2, m, c_ins, c_del, c_rep)
         answer[i] = d

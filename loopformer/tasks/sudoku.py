@@ -264,82 +264,99 @@ def _propagate(g, rm, cm, bm):
 
 
 @numba.njit(cache=True)
+def _given_masks(g, ms):
+    """ms[0:9], ms[9:18], ms[18:27] = the digits (bit d-1 for digit d) placed in each row, column and box of grid g.
+    False if a given repeats a digit within its row, column or box."""
+    ok = True
+    for c in range(81):
+        d = g[c]
+        if d != 0:
+            bit = 1 << (d - 1)
+            if (ms[ROW[c]] | ms[9 + COL[c]] | ms[18 + BOX[c]]) & bit:
+                ok = False
+            ms[ROW[c]] |= bit
+            ms[9 + COL[c]] |= bit
+            ms[18 + BOX[c]] |= bit
+    return ok
+
+
+@numba.njit(cache=True)
+def _save_state(gs, ms, level, cur, rm, cm, bm):
+    """gs[level], ms[level] = the grid cur and its row/column/box masks."""
+    for c in range(81):
+        gs[level, c] = cur[c]
+    for k in range(9):
+        ms[level, k] = rm[k]
+        ms[level, 9 + k] = cm[k]
+        ms[level, 18 + k] = bm[k]
+
+
+@numba.njit(cache=True)
+def _load_state(gs, ms, level, cur, rm, cm, bm):
+    """cur, rm, cm, bm = the grid and masks saved at gs[level], ms[level]."""
+    for c in range(81):
+        cur[c] = gs[level, c]
+    for k in range(9):
+        rm[k] = ms[level, k]
+        cm[k] = ms[level, 9 + k]
+        bm[k] = ms[level, 18 + k]
+
+
+@numba.njit(cache=True)
+def _guesses_to_solve(grid, rng):
+    """Guesses one run of the singles-propagating solver with random guesses makes before it finds a solution of
+    `grid`; -1 if the givens clash or the grid has no solution."""
+    gs = np.zeros((82, 81), np.int64)
+    ms = np.zeros((82, 27), np.int64)
+    st_cell = np.empty(82, np.int64)
+    st_mask = np.empty(82, np.int64)
+    for c in range(81):
+        gs[0, c] = grid[c]
+    if not _given_masks(gs[0], ms[0]):
+        return -1
+    guesses = 0
+    depth = 0          # gs[depth] is the state before the guess at level depth
+    # state of the current node lives in cur, rm, cm, bm (saved to gs[depth+1] before a guess); propagate, branch
+    cur = np.empty(81, np.int64)
+    rm = np.empty(9, np.int64)
+    cm = np.empty(9, np.int64)
+    bm = np.empty(9, np.int64)
+    _load_state(gs, ms, 0, cur, rm, cm, bm)
+    while True:
+        if _propagate(cur, rm, cm, bm):
+            best, bc, bmask = _most_constrained(cur, rm, cm, bm, -1, 0, -1)
+            if best == -1:
+                return guesses
+            # save the state, then guess a random candidate
+            _save_state(gs, ms, depth + 1, cur, rm, cm, bm)
+            bit = _nth_bit(bmask, rng.integers(0, bc))
+            st_cell[depth + 1] = best
+            st_mask[depth + 1] = bmask & ~bit
+            depth += 1
+            guesses += 1
+            _place(cur, rm, cm, bm, best, bit)
+            continue
+        # contradiction: resume the deepest saved state with an untried candidate
+        while depth > 0 and st_mask[depth] == 0:
+            depth -= 1
+        if depth == 0:
+            return -1
+        m = st_mask[depth]
+        bit = _nth_bit(m, rng.integers(0, POPCOUNT[m]))
+        st_mask[depth] = m & ~bit
+        _load_state(gs, ms, depth, cur, rm, cm, bm)
+        guesses += 1
+        _place(cur, rm, cm, bm, st_cell[depth], bit)
+
+
+@numba.njit(cache=True)
 def rate_nb(grid, rng, runs):
     """Mean number of guesses a singles-propagating solver with random guesses makes before it finds a solution
     (over `runs` runs); -1 if the grid has no solution."""
     total = 0.0
     for _ in range(runs):
-        gs = np.zeros((82, 81), np.int64)
-        ms = np.zeros((82, 27), np.int64)
-        st_cell = np.empty(82, np.int64)
-        st_mask = np.empty(82, np.int64)
-        g = gs[0]
-        for c in range(81):
-            g[c] = grid[c]
-        ok = True
-        for c in range(81):
-            d = g[c]
-            if d != 0:
-                bit = 1 << (d - 1)
-                if (ms[0, ROW[c]] | ms[0, 9 + COL[c]] | ms[0, 18 + BOX[c]]) & bit:
-                    ok = False
-                ms[0, ROW[c]] |= bit
-                ms[0, 9 + COL[c]] |= bit
-                ms[0, 18 + BOX[c]] |= bit
-        if not ok:
-            return -1.0
-        guesses = 0
-        depth = 0          # gs[depth] is the state before the guess at level depth
-        # state of the current node lives in gs[depth+1]; copy, propagate, branch
-        cur = np.empty(81, np.int64)
-        rm = np.empty(9, np.int64)
-        cm = np.empty(9, np.int64)
-        bm = np.empty(9, np.int64)
-        for c in range(81):
-            cur[c] = gs[0, c]
-        for k in range(9):
-            rm[k] = ms[0, k]
-            cm[k] = ms[0, 9 + k]
-            bm[k] = ms[0, 18 + k]
-        solved = False
-        while True:
-            alive = _propagate(cur, rm, cm, bm)
-            if alive:
-                best, bc, bmask = _most_constrained(cur, rm, cm, bm, -1, 0, -1)
-                if best == -1:
-                    solved = True
-                    break
-                # save the state, then guess a random candidate
-                for c in range(81):
-                    gs[depth + 1, c] = cur[c]
-                for k in range(9):
-                    ms[depth + 1, k] = rm[k]
-                    ms[depth + 1, 9 + k] = cm[k]
-                    ms[depth + 1, 18 + k] = bm[k]
-                bit = _nth_bit(bmask, rng.integers(0, bc))
-                st_cell[depth + 1] = best
-                st_mask[depth + 1] = bmask & ~bit
-                depth += 1
-                guesses += 1
-                _place(cur, rm, cm, bm, best, bit)
-                continue
-            # contradiction: resume the deepest saved state with an untried candidate
-            while depth > 0 and st_mask[depth] == 0:
-                depth -= 1
-            if depth == 0:
-                break
-            m = st_mask[depth]
-            bit = _nth_bit(m, rng.integers(0, POPCOUNT[m]))
-            st_mask[depth] = m & ~bit
-            for c in range(81):
-                cur[c] = gs[depth, c]
-            for k in range(9):
-                rm[k] = ms[depth, k]
-                cm[k] = ms[depth, 9 + k]
-                bm[k] = ms[depth, 18 + k]
-            guesses += 1
-            _place(cur, rm, cm, bm, st_cell[depth], bit)
-        if not solved:
+        guesses = _guesses_to_solve(grid, rng)
+        if guesses < 0:
             return -1.0
         total += guesses
     return total / runs

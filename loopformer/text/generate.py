@@ -141,6 +141,70 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def _runs_depthwise(cfg: SamplingConfig, B: int, use_cache: bool, return_logits: bool) -> bool:
+    """Whether generation runs the depth-wise schedule (module docstring): a halting rule, the cache, the depthwise
+    schedule and more than one prompt, without returned logits."""
+    return use_cache and cfg.halt is not None and cfg.schedule == "depthwise" and B > 1 and not return_logits
+
+
+def _check_request(model, cfg: SamplingConfig, device: torch.device, B: int, P: int, max_len: int | None,
+                   use_cache: bool, return_logits: bool, memory_check: bool) -> None:
+    """Refuse, before anything is allocated, a generation that cannot run: past the model's context with the cache,
+    too many loops, `compile` where the depth-wise tick would not run or cannot be compiled, a cache larger than the
+    memory available (`memory_check`)."""
+    N = cfg.max_new_tokens
+    if use_cache and max_len is not None and P + N > max_len:
+        raise UserError(f"prompt ({P} tokens) + {N} new tokens exceed the model's context of {max_len}; "
+                        "shorten them or generate without the cache")
+    check_loops(cfg.loops, model.config.loops)
+    # what `compile` compiles, the depth-wise tick, runs nowhere else: refused where it would not run, never ignored
+    if cfg.compile and not _runs_depthwise(cfg, B, use_cache, return_logits):
+        raise UserError("compile applies to the depth-wise tick of exits in batched generation: a halting rule, "
+                        "the cache, the depthwise schedule and more than one prompt, without returned logits")
+    if cfg.compile and not can_compile(device):
+        raise UserError(f"compile needs torch.compile's code generation on {device.type} (a C++ compiler on a "
+                        "CPU, Triton on CUDA)")
+    if use_cache and memory_check:   # every loop keeps its own keys and values: refuse before allocating them
+        R = cfg.loops or (HaltRule.parse(cfg.halt).max_loops if cfg.halt is not None else None) or model.config.loops
+        check_fits(estimate(model.config, batch=B, seq_len=P + N, loops=R, cache_len=P + N), device,
+                   "generation", hint="fewer prompts, loops or new tokens")
+
+
+def _last(out, exit_loops: list) -> torch.Tensor:
+    """The logits of the last position [B,V] of a model output; its exit loop [B] (with a halting rule) is appended
+    to `exit_loops`."""
+    if out.exit_loops is not None:
+        exit_loops.append(out.exit_loops[:, -1])
+    return out.logits[:, -1]
+
+
+def _feed(model, idx: torch.Tensor, mask: torch.Tensor, nxt: torch.Tensor, cache, kw: dict, max_len: int | None,
+          exit_loops: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed the new tokens nxt [B] (mask [B,P+n] already extended for them): one position through the cache, or
+    without one (cache None) the whole sequence recomputed, cropped to the last `max_len` columns. Returns the
+    tokens so far idx [B,P+n] (grown only without the cache) and the logits of the next position [B,V]."""
+    if cache is not None:
+        return idx, _last(model(nxt[:, None], attn_mask=mask, cache=cache, **kw), exit_loops)
+    idx = torch.cat([idx, nxt[:, None]], dim=1)
+    x, m = idx, mask
+    if max_len is not None and x.shape[1] > max_len:
+        x, m = x[:, -max_len:], m[:, -max_len:]
+    return idx, _last(model(x, attn_mask=m, **kw), exit_loops)
+
+
+def _step_result(out_tokens: torch.Tensor, finished: torch.Tensor, all_logits: list, exit_loops: list,
+                 cfg: SamplingConfig, eos_id: int | None, return_logits: bool) -> Generation:
+    """The Generation of the step schedule from its new tokens [B,n], EOS flags [B], logits ([B,V] per step, if
+    asked) and exit loops ([B] per forward, with a halting rule): each row cut after its first EOS when stopping
+    there."""
+    toks = out_tokens.tolist()
+    if cfg.stop_at_eos and eos_id is not None:
+        toks = [t[:t.index(eos_id) + 1] if eos_id in t else t for t in toks]
+    return Generation(tokens=toks, logits=torch.stack(all_logits, 1) if return_logits else None,
+                      finished=[bool(f) for f in finished.tolist()],
+                      exit_loops=torch.stack(exit_loops[:len(out_tokens[0])], 1).cpu() if exit_loops else None)
+
+
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig | None = None,
              eos_id: int | None = None, pad_id: int = 0, use_cache: bool = True, return_logits: bool = False,
@@ -159,21 +223,7 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig | None
     B, P = idx.shape
     idx, mask = idx.to(device), mask.to(device)
     N = cfg.max_new_tokens
-    if use_cache and max_len is not None and P + N > max_len:
-        raise UserError(f"prompt ({P} tokens) + {N} new tokens exceed the model's context of {max_len}; "
-                        "shorten them or generate without the cache")
-    check_loops(cfg.loops, model.config.loops)
-    if cfg.compile and not (use_cache and cfg.halt is not None and cfg.schedule == "depthwise" and B > 1
-                            and not return_logits):   # what it compiles: nothing else runs it, so never ignored
-        raise UserError("compile applies to the depth-wise tick of exits in batched generation: a halting rule, "
-                        "the cache, the depthwise schedule and more than one prompt, without returned logits")
-    if cfg.compile and not can_compile(device):
-        raise UserError(f"compile needs torch.compile's code generation on {device.type} (a C++ compiler on a "
-                        "CPU, Triton on CUDA)")
-    if use_cache and memory_check:   # every loop keeps its own keys and values: refuse before allocating them
-        R = cfg.loops or (HaltRule.parse(cfg.halt).max_loops if cfg.halt is not None else None) or model.config.loops
-        check_fits(estimate(model.config, batch=B, seq_len=P + N, loops=R, cache_len=P + N), device,
-                   "generation", hint="fewer prompts, loops or new tokens")
+    _check_request(model, cfg, device, B, P, max_len, use_cache, return_logits, memory_check)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     kw: dict = {} if cfg.loops is None else {"loops": cfg.loops}
     if cfg.halt is not None:
@@ -183,25 +233,20 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig | None
     out_tokens = torch.zeros(B, 0, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     all_logits, exit_loops = [], []
-
-    def last(out) -> torch.Tensor:   # the logits of the last position [B,V] (and its exit loop)
-        if out.exit_loops is not None:
-            exit_loops.append(out.exit_loops[:, -1])
-        return out.logits[:, -1]
-
     try:
         if use_cache:
             loops = cfg.loops or (kw["halt"].max_loops if cfg.halt is not None else None)
             cache = model.new_cache(B, max_len=P + N, loops=loops)
-            logits = last(model(idx, attn_mask=mask, cache=cache, **kw))                # [B,V]
-            if cfg.halt is not None and cfg.schedule == "depthwise" and B > 1 and not return_logits:
+            logits = _last(model(idx, attn_mask=mask, cache=cache, **kw), exit_loops)    # [B,V]
+            if _runs_depthwise(cfg, B, use_cache, return_logits):
                 nxt = sample_next(logits, cfg.temperature, cfg.top_k, cfg.top_p, gen)     # [B]
                 toks, exits = depthwise_decode(model, cache, mask, nxt, exit_loops[0], kw["halt"], N, cfg, gen,
                                                eos_id, progress)
                 return Generation(tokens=toks, logits=None, finished=[eos_id is not None and eos_id in t
                                                                       for t in toks], exit_loops=exits.cpu())
         else:
-            logits = last(model(idx, attn_mask=mask, **kw))
+            cache = None
+            logits = _last(model(idx, attn_mask=mask, **kw), exit_loops)
         for step in tqdm(range(N), desc="generating", unit="tok", disable=not progress):
             if return_logits:
                 all_logits.append(logits.float())
@@ -212,23 +257,11 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig | None
             if step == N - 1 or (cfg.stop_at_eos and eos_id is not None and bool(finished.all())):
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool, device=device)], dim=1)
-            if use_cache:
-                logits = last(model(nxt[:, None], attn_mask=mask, cache=cache, **kw))
-            else:
-                idx = torch.cat([idx, nxt[:, None]], dim=1)
-                x, m = idx, mask
-                if max_len is not None and x.shape[1] > max_len:
-                    x, m = x[:, -max_len:], m[:, -max_len:]
-                logits = last(model(x, attn_mask=m, **kw))
+            idx, logits = _feed(model, idx, mask, nxt, cache, kw, max_len, exit_loops)
     finally:
         if was_training:
             model.train()
-    toks = out_tokens.tolist()
-    if cfg.stop_at_eos and eos_id is not None:
-        toks = [t[:t.index(eos_id) + 1] if eos_id in t else t for t in toks]
-    return Generation(tokens=toks, logits=torch.stack(all_logits, 1) if return_logits else None,
-                      finished=[bool(f) for f in finished.tolist()],
-                      exit_loops=torch.stack(exit_loops[:len(out_tokens[0])], 1).cpu() if exit_loops else None)
+    return _step_result(out_tokens, finished, all_logits, exit_loops, cfg, eos_id, return_logits)
 
 
 def _tick(model, cache, rule: HaltRule, bound: int, x: torch.Tensor, h_prev: torch.Tensor,

@@ -151,6 +151,103 @@ class Composed:
         return cache[k]
 
 
+def _drift(block: Block, loops: int, width: int, tokens: int) -> list:
+    """The state of the first token after `loops` loops of `block` from the zero state (`tokens` tokens of `width`):
+    the input-independent drift of a sub-state before its injection, simulated exactly."""
+    X = [[F(0)] * width for _ in range(tokens)]
+    for t in range(loops):
+        X = run_block(block, X, t + 1)
+    return X[0]
+
+
+def _contextual_injection(c2: LoopedNet, comp2: list, D: int, o1: int, m: int, d: int) -> list[tuple[list, Fraction]]:
+    """L'(x1) = L1^(2)(z(x1), Z_d(x1)) + comp2 as affine functions (w, c) of the full state [D], one per x2 row:
+    z = Σ_i δ^-(d-1-i) (x1)_{5i+4}, Z_d = (x1)_{5(d-1)+4}."""
+    zrow = [F(0)] * D
+    for i in range(d):
+        zrow[o1 + 5 * i + 4] = F(m) ** (d - 1 - i)
+    Zrow = [F(0)] * D
+    Zrow[o1 + 5 * (d - 1) + 4] = F(1)
+    tgt2 = []
+    for j in range(8):
+        w = [c2.l1.weight[j][0] * zrow[i] + c2.l1.weight[j][1] * Zrow[i] for i in range(D)]
+        tgt2.append((w, c2.l1.bias[j] + comp2[j]))
+    return tgt2
+
+
+def _memorization_injection(c2: LoopedNet, memo: LoopedNet, comp3: list, D: int, o2: int, m: int, N: int,
+                            d: int) -> list[tuple[list, Fraction]]:
+    """L''(x2) = L1^(3)(2 z δ^-Nd + L2^(2)(x2)) + comp3 as affine functions (w, c) of the full state [D], one per x3
+    row: z = (x2)_1."""
+    krow = [F(0)] * D
+    krow[o2 + 0] += 2 * F(m) ** (N * d)
+    for i, v in enumerate(c2.l2.weight[0]):
+        krow[o2 + i] += v
+    kbias = c2.l2.bias[0]
+    tgt3 = []
+    for j in range(12 * d):
+        a = memo.l1.weight[j][0]
+        tgt3.append(([a * v for v in krow], memo.l1.bias[j] + a * kbias + comp3[j]))
+    return tgt3
+
+
+def _place_ff(ff: FeedForward, off: int, D: int, rows1: list, b1: list, b2: list, cols: list) -> None:
+    """Append a component's FF (input/output rows off..off+dim of the state [D]) to the hidden rows `rows1`, their
+    biases `b1` and output columns `cols` (output row -> weight, per hidden unit); add its output bias to `b2`."""
+    for r, (row, b) in enumerate(zip(ff.w1, ff.b1)):
+        full = [F(0)] * D
+        for j, v in enumerate(row):
+            full[off + j] = v
+        rows1.append(full)
+        b1.append(b)
+        cols.append({off + i: ff.w2[i][r] for i in range(ff.dim) if ff.w2[i][r] != 0})
+    for i, b in enumerate(ff.b2):
+        b2[off + i] += b
+
+
+def _place_impulse(tgt: list, theta: int, M: Fraction, off: int, D: int, rows1: list, b1: list, cols: list) -> None:
+    """Append impulse_θ(L_j(x), x0) (Prop. A.4) for the targets `tgt` (written to rows off+j): two shared units on the
+    counter, −2M / +2M into every target, then two units per target, +1 / −1 into its row."""
+    w1_i, b1_i = _impulse_rows(D, tgt, theta, M)
+    rows1.extend(w1_i)
+    b1.extend(b1_i)
+    s_a, s_b = {}, {}
+    cols.append(s_a)          # σ(x0 − θ + ½): −2M into every target
+    cols.append(s_b)
+    for j in range(len(tgt)):
+        s_a[off + j] = -2 * M
+        s_b[off + j] = 2 * M
+        cols.append({off + j: F(1)})
+        cols.append({off + j: F(-1)})
+
+
+def _lift(h: Head, D: int, off: int) -> Head:
+    """A head of a sub-state (rows off..) as a head of the full state [D]."""
+    def pad(w):
+        full = [F(0)] * D
+        for j, v in enumerate(w):
+            full[off + j] = v
+        return tuple(full)
+    return Head(pad(h.wq), pad(h.wk), pad(h.wv), pad(h.wo))
+
+
+def _read_in_out(q1: LoopedNet, memo: LoopedNet, D: int, o1: int, o3: int, d: int) -> tuple[Affine, Affine]:
+    """L1: R^d -> the full state, Lemma A.5's L1 into x1 (rows o1..); L2: Lemma 4.1's L2 read from x3 (rows o3..)."""
+    l1w = [[F(0)] * d for _ in range(D)]
+    l1b = [F(0)] * D
+    for i in range(5 * d):
+        for j in range(d):
+            l1w[o1 + i][j] = q1.l1.weight[i][j]
+        l1b[o1 + i] = q1.l1.bias[i]
+    l2w = [[F(0)] * D for _ in range(d)]
+    for i in range(d):
+        for j in range(12 * d):
+            l2w[i][o3 + j] = memo.l2.weight[i][j]
+    l1 = Affine(tuple(map(tuple, l1w)), tuple(l1b))
+    l2 = Affine(tuple(map(tuple, l2w)), tuple(memo.l2.bias))
+    return l1, l2
+
+
 def composed_network(f: Callable[[np.ndarray], np.ndarray], delta_inv: int, N: int, d: int = 1,
                      eps_q=None, printed: bool = False) -> Composed:
     """Theorem A.1: L2 ∘ TF^r ∘ L1 with TF of width 17d+9, two heads of size 1, FF width 49d+25 (hardmax),
@@ -170,35 +267,12 @@ def composed_network(f: Callable[[np.ndarray], np.ndarray], delta_inv: int, N: i
     theta2, theta3 = m - 1, m + N
 
     # ---- drift of x2 / x3 before their injections (input independent), simulated exactly
-    def drift(block: Block, loops: int, width: int, tokens: int) -> list:
-        X = [[F(0)] * width for _ in range(tokens)]
-        for t in range(loops):
-            X = run_block(block, X, t + 1)
-        return X[0]
-    comp2 = [-v for v in drift(c2.block, theta2 + 1, 8, N)]
-    comp3 = [-v for v in drift(memo.block, theta3 + 1, 12 * d, 1)]
+    comp2 = [-v for v in _drift(c2.block, theta2 + 1, 8, N)]
+    comp3 = [-v for v in _drift(memo.block, theta3 + 1, 12 * d, 1)]
 
     # ---- injection maps as affine functions of the full state
-    # L'(x1) = L1^(2)(z(x1), Z_d(x1)) + comp2, z = Σ_i δ^-(d-1-i) (x1)_{5i+4}, Z_d = (x1)_{5(d-1)+4}
-    zrow = [F(0)] * D
-    for i in range(d):
-        zrow[o1 + 5 * i + 4] = F(m) ** (d - 1 - i)
-    Zrow = [F(0)] * D
-    Zrow[o1 + 5 * (d - 1) + 4] = F(1)
-    tgt2 = []
-    for j in range(8):
-        w = [c2.l1.weight[j][0] * zrow[i] + c2.l1.weight[j][1] * Zrow[i] for i in range(D)]
-        tgt2.append((w, c2.l1.bias[j] + comp2[j]))
-    # L''(x2) = L1^(3)(2 z δ^-Nd + L2^(2)(x2)) + comp3, z = (x2)_1
-    krow = [F(0)] * D
-    krow[o2 + 0] += 2 * F(m) ** (N * d)
-    for i, v in enumerate(c2.l2.weight[0]):
-        krow[o2 + i] += v
-    kbias = c2.l2.bias[0]
-    tgt3 = []
-    for j in range(12 * d):
-        a = memo.l1.weight[j][0]
-        tgt3.append(([a * v for v in krow], memo.l1.bias[j] + a * kbias + comp3[j]))
+    tgt2 = _contextual_injection(c2, comp2, D, o1, m, d)
+    tgt3 = _memorization_injection(c2, memo, comp3, D, o2, m, N, d)
     Mimp2 = F(m) ** d + 2 + max(abs(v) for v in comp2)
     Mimp3 = 2 * F(K) + 4 + max(abs(v) for v in comp3)
 
@@ -206,61 +280,20 @@ def composed_network(f: Callable[[np.ndarray], np.ndarray], delta_inv: int, N: i
     rows1, b1, b2 = [], [], [F(0)] * D
     b2[0] = F(1)                                                                   # counter
     cols = []                                                                      # output column per hidden
-
-    def place(ff: FeedForward, off: int):
-        for r, (row, b) in enumerate(zip(ff.w1, ff.b1)):
-            full = [F(0)] * D
-            for j, v in enumerate(row):
-                full[off + j] = v
-            rows1.append(full)
-            b1.append(b)
-            cols.append({off + i: ff.w2[i][r] for i in range(ff.dim) if ff.w2[i][r] != 0})
-        for i, b in enumerate(ff.b2):
-            b2[off + i] += b
-    place(q1.block.ff, o1)
-    place(c2.block.ff, o2)
-    place(memo.block.ff, o3)
-    for tgt, theta, M, off in ((tgt2, theta2, Mimp2, o2), (tgt3, theta3, Mimp3, o3)):
-        w1_i, b1_i = _impulse_rows(D, tgt, theta, M)
-        rows1 += w1_i
-        b1 += b1_i
-        shared = {}
-        cols.append(shared)       # σ(x0 − θ + ½): −2M into every target
-        cols.append({})
-        s_a, s_b = cols[-2], cols[-1]
-        for j in range(len(tgt)):
-            s_a[off + j] = -2 * M
-            s_b[off + j] = 2 * M
-            cols.append({off + j: F(1)})
-            cols.append({off + j: F(-1)})
+    _place_ff(q1.block.ff, o1, D, rows1, b1, b2, cols)
+    _place_ff(c2.block.ff, o2, D, rows1, b1, b2, cols)
+    _place_ff(memo.block.ff, o3, D, rows1, b1, b2, cols)
+    _place_impulse(tgt2, theta2, Mimp2, o2, D, rows1, b1, cols)
+    _place_impulse(tgt3, theta3, Mimp3, o3, D, rows1, b1, cols)
     q = len(rows1)
     w2 = [[F(0)] * q for _ in range(D)]
     for h, c in enumerate(cols):
         for i, v in c.items():
             w2[i][h] += v
     ff = FeedForward(tuple(map(tuple, rows1)), tuple(b1), tuple(map(tuple, w2)), tuple(b2))
+    block = Block(ff, tuple(_lift(h, D, o2) for h in c2.block.heads))
 
-    def lift(h: Head) -> Head:
-        def pad(w):
-            full = [F(0)] * D
-            for j, v in enumerate(w):
-                full[o2 + j] = v
-            return tuple(full)
-        return Head(pad(h.wq), pad(h.wk), pad(h.wv), pad(h.wo))
-    block = Block(ff, tuple(lift(h) for h in c2.block.heads))
-
-    l1w = [[F(0)] * d for _ in range(D)]
-    l1b = [F(0)] * D
-    for i in range(5 * d):
-        for j in range(d):
-            l1w[o1 + i][j] = q1.l1.weight[i][j]
-        l1b[o1 + i] = q1.l1.bias[i]
-    l2w = [[F(0)] * D for _ in range(d)]
-    for i in range(d):
-        for j in range(12 * d):
-            l2w[i][o3 + j] = memo.l2.weight[i][j]
-    l1 = Affine(tuple(map(tuple, l1w)), tuple(l1b))
-    l2 = Affine(tuple(map(tuple, l2w)), tuple(memo.l2.bias))
+    l1, l2 = _read_in_out(q1, memo, D, o1, o3, d)
     r = composed_loops(m, N, d)
     net = LoopedNet(l1, block, l2, loops=r, name="Theorem A.1",
                     meta=dict(delta_inv=m, N=N, d=d, K=K, printed=printed))
