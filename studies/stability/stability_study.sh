@@ -47,6 +47,8 @@ SCREENS=(
   "truncated-bptt:model.grad_loops=16"
   "grad-window:model.grad_window=1"
   "grad-window-4:model.grad_window=4"
+  "curriculum:train.loops_start=4 train.loops_every=50 train.loops_increment=2"
+  "curriculum-stablemax:train.loops_start=4 train.loops_every=50 train.loops_increment=2 train.loss=stablemax"
   "lr-1e-3:train.lr=1e-3"
   "lr-5e-4:train.lr=5e-4"
   "lr-4e-3:train.lr=4e-3"
