@@ -9,8 +9,9 @@ The runs' config is the YAML shipped with the package, `loopformer/configs/cpu/d
 `configs/cpu/demo.yaml` in a clone), so the same runs can be made by hand with
 `loopformer sweep configs/cpu/demo.yaml --grid ... --baseline ...` (`DEMO_GRID`, `DEMO_BASELINE`).
 
-The seven runs go to two worker processes with one thread each and take about ten minutes on two idle cores;
-re-running the command completes an interrupted demo (finished runs are kept).
+The seven runs go to two worker processes with one thread each and take about seven minutes on two idle cores,
+eagerly (the config's `train.compile: false`: from an empty compiler cache, compiling costs more than it saves at
+this size); re-running the command completes an interrupted demo (finished runs are kept).
 """
 
 from __future__ import annotations
