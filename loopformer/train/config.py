@@ -11,6 +11,7 @@ causality, read-out) are filled from the task before the YAML is applied, so a c
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ class TrainConfig:
     fixed_point: float = 0.0          # weight of the fixed-point loss: fixed_point_loops more loops past R should not
                                       # move the state, ||h(R+m) − sg h(R)||² / ||sg h(R)||² per position; 0: off
     fixed_point_loops: int = 1
+    jacobian: float = 0.0             # weight of the Jacobian penalty: the loop map's mean squared singular value at
+                                      # the final state, ||εᵀJ||² / ||ε||² for ε ~ N(0, I) (one more loop); 0: off
     loss: str = "cross_entropy"       # the classification loss: "cross_entropy" | "stablemax" (a softmax whose
                                       # exponential grows linearly: no softmax collapse; loopformer.train.losses)
     eval_every: int = 0               # steps between evaluations (and checkpoints); 0: only at the end
@@ -137,6 +140,8 @@ class TrainConfig:
               f"train.loops_sample_per must be one of {SAMPLE_PER} (got {self.loops_sample_per!r})")
         _need(self.loops_min >= 1 and self.loops_max >= 0, "train.loops_min must be >= 1 and train.loops_max >= 0")
         _need(self.consistency >= 0 and self.fixed_point >= 0, "train.consistency and train.fixed_point must be >= 0")
+        _need(math.isfinite(self.jacobian) and self.jacobian >= 0,
+              f"train.jacobian must be a finite number >= 0 (got {self.jacobian})")
         _need(self.consistency_budget in ("double", "max"),
               f"train.consistency_budget must be 'double' or 'max' (got {self.consistency_budget!r})")
         _need(1 <= self.fixed_point_loops <= 1024,

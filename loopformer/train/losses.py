@@ -26,6 +26,8 @@ exit-distribution loss the trunk still learns from the per-loop task losses that
 Elastic depth (`train.loops_sample`, `elastic_losses`): `consistency_loss` ties the read-out at R to a
 stop-gradient read-out at a larger budget, `fixed_point_loss` keeps loops past R from moving the state
 (docs/elastic-depth.md).
+Stability (`train.jacobian`, `jacobian_loss`): a penalty on the loop map's mean squared singular value at the final
+state, which keeps the map from expanding (docs/stability.md).
 Shapes: R loops, B batch, T length, C classes, n read positions.
 """
 
@@ -35,6 +37,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loopformer.errors import UserError
 from loopformer.model.halting import row_mean
@@ -42,6 +45,7 @@ from loopformer.model.looped import LoopOutput
 from loopformer.model.options import LoopOptions
 from loopformer.tasks.base import IGNORE
 from loopformer.tasks.common import loop_steps
+from loopformer.train.compiling import eager
 from loopformer.train.config import TrainConfig
 from loopformer.train.optim import budget_range
 
@@ -278,7 +282,26 @@ def elastic_losses(model: torch.nn.Module, tc: TrainConfig, final: int, mb: dict
     return total
 
 
+# ------------------------------------------------------------------------------------------------- stability
+def jacobian_loss(model: torch.nn.Module, x: torch.Tensor, h: torch.Tensor, R: int) -> torch.Tensor:
+    """The Jacobian penalty (`train.jacobian`): the loop map's mean squared singular value at the final state.
+
+    With F(h) the state after one more loop from h (loop R, the read-in injected, `LoopOptions(state=h,
+    loop_offset=R)`) and J = ∂F/∂h at h = sg(h_R) [B,T,D], Hutchinson's estimator with one probe ε ~ N(0, I) gives
+    E‖εᵀJ‖² = ‖J‖_F², so ‖εᵀJ‖² / ‖ε‖² estimates ‖J‖_F² / (B·T·D), the mean squared singular value; its gradient
+    (a double backward, `create_graph`) moves the weights so that the loop map contracts there — the Jacobian
+    regularisation of equilibrium models (Bai et al. 2021), aimed at the expanding loop map that makes deep loops
+    fail (docs/stability.md). The extra loop runs eagerly with the attention's plain math kernel (compiled layers and
+the fused attention kernels have no double backward)."""
+    h = h.detach().requires_grad_(True)
+    with eager(model), sdpa_kernel(SDPBackend.MATH):   # the fused attention kernels have no double backward
+        f = model(x, loops=1, opts=LoopOptions(state=h, loop_offset=R, budget=R)).hidden       # [B,T,D]
+    eps = torch.randn_like(f)
+    (vjp,) = torch.autograd.grad(f, h, eps, create_graph=True)                             # εᵀJ: [B,T,D]
+    return vjp.float().square().sum() / eps.float().square().sum()
+
+
 __all__ = ["supervised", "supervised_count", "read_positions", "at_read", "loss_loops", "loop_targets",
            "summed_loss", "loss_sum", "per_loop_losses", "per_loop_correct", "halting_target_loss",
            "exit_distribution", "exit_distribution_loss", "exit_loss", "consistency_loss", "fixed_point_loss",
-           "elastic_losses"]
+           "elastic_losses", "jacobian_loss"]

@@ -58,6 +58,7 @@ from loopformer.train.losses import (
     at_read,
     elastic_losses,
     exit_loss,
+    jacobian_loss,
     loop_targets,
     loss_loops,
     loss_sum,
@@ -479,7 +480,8 @@ class Trainer:
         k = 1 if n_read is None else n_read
         per_loop_gate = self.trains_gate and N == 1              # the exit gate reads every loop (else every step)
         return_all, read_loops = n_read is not None or per_loop_gate, None if per_loop_gate else n_read
-        read_only = N == 1 and not self.trains_gate and tc.fixed_point == 0   # nothing reads the final state
+        read_only = N == 1 and not self.trains_gate and tc.fixed_point == 0 and tc.jacobian == 0   # nothing
+        #                                                                     reads the final state
         at = mb.get("read_at")                                   # [n] | None: every position
         targets = mb["targets"] if "step_targets" not in mb else \
             loop_targets(mb["step_targets"], R, n_read)                          # [n_read,B,T] per-loop targets
@@ -494,6 +496,9 @@ class Trainer:
                                                return_all, read_loops, n_read, rows, read_only)
                     loss = s * (d.world / (global_count * k * N)) + elastic_losses(
                         self.model, tc, cfg.model.loops, mb, out, R_mb, d.world / global_count)
+                    if tc.jacobian > 0:                  # the loop map kept contracting (a mean over micro-batches)
+                        loss = loss + tc.jacobian * jacobian_loss(self.model, mb["inputs"], out.hidden, R_mb) \
+                            / (tc.grad_accum * N)
                 if self.trains_gate:   # a mean over this micro-batch: DDP averages it over processes
                     loss = loss + self._gate_loss(mb, out, per_loop_gate, n_micro)
                 if self.scaler is not None:
