@@ -1,5 +1,6 @@
 """`loopformer reproduce`: the claims registry, the verdict rules on hand-made results, and a smoke run of one tiny
-claim end to end (plan → runs → report, every number traced to a run folder, finished runs reused)."""
+claim end to end (plan → runs → report, every number traced to a run folder, finished runs reused), and the compute
+per answer beside each verdict (loops × layers and FLOPs per arm, a note where the compared arms differ)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import numpy as np
 import pytest
 
 from loopformer.cli import main
+from loopformer.configio import shipped_config
 from loopformer.errors import UserError
-from loopformer.experiments.claims import Rule, load_registry, metric_value, select, verdict
+from loopformer.experiments.claims import Rule, compute_note, load_registry, metric_value, select, verdict
 from loopformer.experiments.reproduce import plan, reproduce, update_readme
+from loopformer.model import ModelConfig
+from loopformer.model.flops import format_flops, forward_flops, layer_applications
+from loopformer.train.config import load_run_config
 
 TINY = ["train.steps=12", "task.n_train=256", "task.n_test=64", "train.log_every=4", "eval.max_loops=4",
         "model.d_model=16", "train.compile=false", "log.dynamics=false"]
@@ -233,3 +238,79 @@ def test_run_theory_writes_its_folder(tmp_path, monkeypatch):
     assert (tmp_path / "fresh" / "runs" / "theory" / "verify.md").read_text().count("Lemma") == 2
     monkeypatch.setattr(verify, "run_verify", lambda progress=True: [])
     assert run_theory(tmp_path / "fresh", progress=False)["rows"] == 2
+
+
+# ------------------------------------------------------------------ compute beside the verdict
+def _finish(reg: Path, out: Path, claim: str) -> dict[str, ModelConfig]:
+    """Hand-made results.json for every run of `claim` (each arm's accuracy grows with its loops): the report reads
+    them as finished runs, nothing trains. Returns each arm's model config."""
+    models = {}
+    for r in plan(select(load_registry(str(reg)), [claim]), out):
+        m = load_run_config(r.spec.config, r.spec.overrides).model
+        models[r.arm] = m
+        r.spec.out_dir.mkdir(parents=True)
+        (r.spec.out_dir / "results.json").write_text(json.dumps({
+            "higher_is_better": True, "test": {"accuracy": 0.4 + 0.1 * m.loops + 0.01 * r.seed}, "params": 1234,
+            "total_loops": m.total_loops, "n_layers": m.n_layers}))
+    return models
+
+
+def test_compute_note_names_arms_that_differ_by_more_than_5_percent():
+    assert compute_note({"a": 100, "b": 104}) is None                                  # within 5 %
+    assert compute_note({"a": 100, "b": 106}) == "arms differ in compute: b 1.1× the FLOPs of a"
+    assert compute_note({"few": 400, "many": 100}) == "arms differ in compute: few 4.0× the FLOPs of many"
+    assert compute_note({"a": 100, "b": None}) is None                                 # unknown: no claim
+    assert compute_note({"a": 100}) is None                                            # one arm: nothing to compare
+
+
+def test_report_shows_compute_per_arm_and_notes_unequal_compute(tmp_path):
+    reg, out = _registry(tmp_path), tmp_path / "rep"
+    models = _finish(reg, out, "tiny")
+    res = reproduce(["tiny"], registry=str(reg), out=out, jobs=1, progress=False)
+    assert res["estimate"]["todo"] == 0
+    tiny = json.loads((out / "report.json").read_text())["claims"][0]
+    assert tiny["verdict"] == "reproduced" and tiny["reason"] == res["judged"][0]["verdict"].reason
+    report = (out / "report.md").read_text()
+    assert "| loops × layers per answer | FLOPs per answer |" in report
+    for arm in tiny["arms"]:
+        m = models[arm["name"]]
+        assert arm["loops"] == m.loops == layer_applications(m)
+        assert arm["seq_len"] == m.max_len and arm["flops"] == forward_flops(m, m.max_len)
+        assert f"| {arm['name']} | model.loops={m.loops} | 1,234 | {m.loops} | {format_flops(arm['flops'])} |" \
+            in report
+    one, two = (a["flops"] for a in tiny["arms"])
+    assert 1.05 < two / one < 2                     # twice the block, the same read-out
+    note = f"arms differ in compute: two loops {two / one:.1f}× the FLOPs of one loop"
+    assert tiny["compute_note"] == note
+    assert f"| 2 | **reproduced**; {note} |" in report                           # the summary row, by the verdict
+    assert re.search(rf"- Verdict: \*\*reproduced\*\* — .*; {re.escape(note)}\n", report)
+
+
+def test_equal_compute_gets_no_note(tmp_path, capsys):
+    """Arms that differ only in their initialisation cost the same per answer: no note, in the report or the plan."""
+    reg, out = _registry(tmp_path), tmp_path / "rep"
+    reg.write_text(reg.read_text().replace("[model.loops=1]", "[model.loops=2, model.init_std=0.05]"))
+    _finish(reg, out, "tiny")
+    reproduce(["tiny"], registry=str(reg), out=out, jobs=1, progress=False)
+    tiny = json.loads((out / "report.json").read_text())["claims"][0]
+    assert tiny["compute_note"] is None and len({a["flops"] for a in tiny["arms"]}) == 1
+    assert "arms differ in compute" not in (out / "report.md").read_text()
+    assert main(["reproduce", "--registry", str(reg), "--claims", "tiny", "--out", str(out), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "equal compute (within 5 %)" in printed and "arms differ" not in printed
+
+
+def test_dry_run_lists_compute_per_arm(tmp_path, capsys):
+    reg = _registry(tmp_path)
+    assert main(["reproduce", "--registry", str(reg), "--quick", "--out", str(tmp_path / "o"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    cfg = load_run_config(str(shipped_config("cpu/demo.yaml")), TINY).model
+    flops = {r: forward_flops(cfg.replace(loops=r), cfg.max_len) for r in (1, 2)}
+    for r, name in ((1, "one-loop"), (2, "two-loops")):      # each run's line: loops × layers and FLOPs per answer
+        assert re.search(rf"{name}_seed=0: .* — {r} loops × layers, {re.escape(format_flops(flops[r]))} per answer "
+                         rf"\(T = {cfg.max_len}\)\n", out)
+    assert (f"claim tiny: one loop: 1 loops × layers, {format_flops(flops[1])}; two loops: 2 loops × layers, "
+            f"{format_flops(flops[2])} — arms differ in compute: two loops {flops[2] / flops[1]:.1f}× the FLOPs of "
+            "one loop") in out
+    assert "claim proofs: theory check, no training" in out
+    assert not (tmp_path / "o").exists()

@@ -14,7 +14,8 @@ Verdict rules (`verdict`):
                no seed's does; inconclusive: the seeds' spread covers the margin.
     at_least   arm a's metric ≥ value: reproduced when every seed's is, not reproduced when none is,
     at_most    ... ≤ value;                 inconclusive in between.
-With one seed (`--quick`) a verdict is one observation: the report says so.
+With one seed (`--quick`) a verdict is one observation: the report says so. Beside the verdict, where the compared
+arms' FLOPs per answer (`loopformer.model.flops`) differ by more than 5 %, one phrase says so (`compute_note`).
 """
 
 from __future__ import annotations
@@ -230,5 +231,28 @@ def verdict(rule: Rule, a: list[float], b: list[float] | None = None, higher_is_
     return Verdict(v, vals, med, lo, hi, reason)
 
 
+# ------------------------------------------------------------------ compute beside the verdict
+COMPUTE_TOLERANCE = 0.05   # arms whose FLOPs per answer differ by more than this fraction get a note
+
+
+def compute_ratio(flops: dict[str, int | None]) -> tuple[str, str, float] | None:
+    """(the costlier arm, the cheaper arm, their ratio of FLOPs per answer) over the arms a claim compares, in
+    order `flops` {arm: FLOPs per answer}; None when there are fewer than two arms or one's compute is unknown."""
+    if len(flops) < 2 or any(f is None or f <= 0 for f in flops.values()):
+        return None
+    big = max(flops, key=lambda a: flops[a])
+    small = min(flops, key=lambda a: flops[a])
+    return big, small, flops[big] / flops[small]
+
+
+def compute_note(flops: dict[str, int | None], tolerance: float = COMPUTE_TOLERANCE) -> str | None:
+    """One short phrase for the verdict when the compared arms differ in compute by more than `tolerance`
+    ("arms differ in compute: looped many 4.0× the FLOPs of looped few"); None when they do not, or it is unknown."""
+    r = compute_ratio(flops)
+    if r is None or r[2] <= 1 + tolerance:
+        return None
+    return f"arms differ in compute: {r[0]} {r[2]:.1f}× the FLOPs of {r[1]}"
+
+
 __all__ = ["Arm", "Experiment", "Rule", "Claim", "Registry", "Verdict", "load_registry", "select", "metric_value",
-           "verdict", "median_range", "RULES", "VERDICTS"]
+           "verdict", "median_range", "compute_ratio", "compute_note", "COMPUTE_TOLERANCE", "RULES", "VERDICTS"]

@@ -8,8 +8,10 @@ verdict per claim.
     run        the missing runs through the sweep engine (finished runs are reused, interrupted ones resumed,
                `jobs` at a time); a theory claim runs `theory verify` once
     report     OUT/report.md (a summary table first, then per claim: the paper's numbers, each arm's median
-               [min–max] over seeds with its parameters and loops per answer, the paired differences, the verdict
-               and the run folders every number comes from), OUT/report.json and one plot per claim
+               [min–max] over seeds with its parameters and compute per answer — loops × layers and FLOPs of one
+               forward pass, `loopformer.model.flops` — the paired differences, the verdict (with a note where
+               the compared arms differ in compute by more than 5 %) and the run folders every number comes from),
+               OUT/report.json and one plot per claim
 
 `--scale paper` reads each claim's paper-scale experiment (`gpu`); without a CUDA device it prints the plan and
 its estimated cost instead of starting. Shapes: none (orchestration only).
@@ -35,6 +37,8 @@ from loopformer.errors import UserError
 from loopformer.experiments.claims import (
     Claim,
     Experiment,
+    compute_note,
+    compute_ratio,
     diff_label,
     load_registry,
     median_range,
@@ -44,6 +48,7 @@ from loopformer.experiments.claims import (
 )
 from loopformer.experiments.sweep import RunSpec, run_specs
 from loopformer.fileio import check_owned_folder, write_figure, write_json, write_text
+from loopformer.model.flops import format_flops, forward_flops, layer_applications
 from loopformer.sources import source_class
 from loopformer.train.config import load_run_config
 from loopformer.train.optim import steps_for
@@ -66,6 +71,7 @@ class PlannedRun:
     spec: RunSpec
     units: float = 0.0                # steps × batch × T × loops × layers × (12 d² + 2 T d): a compute measure
     prepared_later: bool = False      # its data comes from the experiment's `prepare` step
+    compute: dict[str, int] | None = None   # per answer: {"seq_len" T, "loops" (× layers), "flops"}; set by sizing
 
 
 def _slug(text: str) -> str:
@@ -109,13 +115,54 @@ def plan(claims: list[Claim], out: Path, scale: str = "cpu", quick: bool = False
 
 def _size(run: PlannedRun) -> None:
     """Check the run's config (a bad one fails before anything runs) and set its steps, its cost for the sweep's
-    progress bar, and its compute `units`."""
+    progress bar, its compute `units` and its `compute` per answer."""
     cfg = load_run_config(run.spec.config, [*run.spec.overrides, f"out_dir={run.spec.out_dir}"])
     n_train = source_class(cfg.task).epoch_rows(cfg.task)
     run.spec.steps = steps_for(cfg.train.steps, cfg.train.epochs, n_train, cfg.train.batch_size)
     m, T = cfg.model, cfg.model.max_len
     run.spec.cost = float(run.spec.steps * m.loops * m.supervision_steps * m.n_layers)
     run.units = run.spec.cost * cfg.train.batch_size * T * (12 * m.d_model ** 2 + 2 * T * m.d_model)
+    run.compute = {"seq_len": T, "loops": layer_applications(m), "flops": forward_flops(m, T)}
+
+
+def run_compute(run: PlannedRun) -> dict[str, int] | None:
+    """The run's compute per answer (`PlannedRun.compute`), sizing it first if need be; None while its data is not
+    prepared."""
+    if run.compute is None:
+        try:
+            _size(run)
+        except UserError:
+            if not run.prepared_later:
+                raise
+    return run.compute
+
+
+def arm_compute(claim: Claim, runs: list[PlannedRun]) -> dict[str, dict[str, int] | None]:
+    """{arm: compute per answer} for the arms the claim compares, in the experiment's order (the seeds of an arm
+    share its config: the first run's)."""
+    out: dict[str, dict[str, int] | None] = {}
+    for r in runs:
+        if claim.id in r.claim_ids and r.arm not in out:
+            out[r.arm] = run_compute(r)
+    return out
+
+
+def _compute_text(c: dict[str, int] | None) -> str:
+    return "not sized until its data is prepared" if c is None else \
+        f"{c['loops']} loops × layers, {format_flops(c['flops'])} per answer (T = {c['seq_len']})"
+
+
+def plan_compute_line(claim: Claim, runs: list[PlannedRun]) -> str:
+    """One line of the plan per claim: each compared arm's loops × layers and FLOPs per answer, and the note where
+    they differ in compute."""
+    if claim.kind == "theory":
+        return f"claim {claim.id}: theory check, no training"
+    compute = arm_compute(claim, runs)
+    flops = {a: c and c["flops"] for a, c in compute.items()}
+    note = compute_note(flops) or ("equal compute (within 5 %)" if compute_ratio(flops) else "")
+    arms = "; ".join(f"{a}: not sized until its data is prepared" if c is None else
+                     f"{a}: {c['loops']} loops × layers, {format_flops(c['flops'])}" for a, c in compute.items())
+    return f"claim {claim.id}: {arms}" + (f" — {note}" if note else "")
 
 
 def estimate(runs: list[PlannedRun], theory: int, jobs: int, gpu: bool = False) -> dict[str, float]:
@@ -203,10 +250,12 @@ def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: d
         vals = [] if theory is None else [metric_value(theory, claim.metric)]
         v = verdict(claim.rule, vals)
         return {"claim": claim, "arms": [{"name": "verify", "values": vals, "seeds": [0] if vals else [],
-                                          "runs": ["runs/theory"], "params": None, "loops": None}],
-                "verdict": v, "higher_is_better": True, "theory": theory}
+                                          "runs": ["runs/theory"], "params": None, "loops": None,
+                                          "flops": None, "seq_len": None}],
+                "verdict": v, "higher_is_better": True, "theory": theory, "compute_note": None}
     exp = experiment_of(claim, scale)
     mine = [r for r in runs if claim.id in r.claim_ids]
+    compute = arm_compute(claim, mine)
     arms, hib = [], True
     for arm in (x for x in exp.arms if x.name in {r.arm for r in mine}):
         rows = []
@@ -216,9 +265,11 @@ def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: d
                 hib = bool(res.get("higher_is_better", True))
                 rows.append((r.seed, metric_value(res, claim.metric), res, r.spec.out_dir))
         params = rows[0][2].get("params") if rows else None
-        loops = rows[0][2]["total_loops"] * rows[0][2]["n_layers"] if rows else None
+        c = compute.get(arm.name)
+        loops = rows[0][2]["total_loops"] * rows[0][2]["n_layers"] if rows else (c and c["loops"])
         arms.append({"name": arm.name, "overrides": arm.overrides, "seeds": [s for s, *_ in rows],
                      "values": [v for _, v, *_ in rows], "params": params, "loops": loops,
+                     "flops": c and c["flops"], "seq_len": c and c["seq_len"],
                      "runs": [str(p.relative_to(out)) for *_, p in rows]})
     by = {a["name"]: a for a in arms}
     a = by[claim.rule.a]
@@ -230,7 +281,8 @@ def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: d
         v = verdict(claim.rule, va, vb, hib)
     else:
         v = verdict(claim.rule, a["values"])
-    return {"claim": claim, "arms": arms, "verdict": v, "higher_is_better": hib}
+    note = compute_note({x["name"]: x["flops"] for x in arms})
+    return {"claim": claim, "arms": arms, "verdict": v, "higher_is_better": hib, "compute_note": note}
 
 
 def _diff_label(j: dict) -> str:
@@ -249,7 +301,8 @@ def _ours(j: dict) -> str:
 
 def summary_table(judged: list[dict], compact: bool = False) -> str:
     """Markdown, one row per claim: the claim, where it comes from, the paper's numbers, ours (median [min – max]
-    over seeds), the number of seeds and the verdict (`compact`: without the source and the paper's numbers)."""
+    over seeds), the number of seeds and the verdict, with a note where the compared arms differ in compute
+    (`compact`: without the source and the paper's numbers)."""
     head = ["claim", "source", "the paper", "ours: median [min – max]", "seeds", "verdict"]
     if compact:
         head = [head[0], head[3], head[4], head[5]]
@@ -257,7 +310,8 @@ def summary_table(judged: list[dict], compact: bool = False) -> str:
     for j in judged:
         c, v = j["claim"], j["verdict"]
         src = f"paper, {c.figure}" if c.source == "paper" else f"library ({c.figure})"
-        verdict_ = f"**{v.verdict}**" + (" (one seed)" if len(v.diffs) == 1 and c.kind == "train" else "")
+        verdict_ = f"**{v.verdict}**" + (" (one seed)" if len(v.diffs) == 1 and c.kind == "train" else "") \
+            + (f"; {j['compute_note']}" if j.get("compute_note") else "")
         cells = [f"`{c.id}`: {c.statement}", src, c.paper or "—", _ours(j), str(len(v.diffs)), verdict_]
         if compact:
             cells = [cells[0], cells[3], cells[4], cells[5]]
@@ -283,15 +337,21 @@ def claim_section(j: dict, scale: str) -> str:
     out.append(f"- Rule: {rule.kind}" + (f" ({rule.a} − {rule.b} > {rule.margin:g}, paired by seed)"
                                           if rule.kind == "paired" else f" ({rule.a}, threshold {rule.value:g})"))
     out.append(f"- Verdict: **{v.verdict}** — {v.reason}" + (" (one seed: a single observation)"
-                                                             if len(v.diffs) == 1 and c.kind == "train" else ""))
-    out += ["", "| arm | overrides | parameters | loops × layers per answer | median [min – max] | per seed | runs |",
-            "|---|---|---|---|---|---|---|"]
+                                                             if len(v.diffs) == 1 and c.kind == "train" else "")
+               + (f"; {j['compute_note']}" if j.get("compute_note") else ""))
+    lengths = sorted({a["seq_len"] for a in j["arms"] if a.get("seq_len")})
+    if lengths:
+        out.append(f"- Compute per answer: one forward pass over one sequence of T = {' / '.join(map(str, lengths))} "
+                   "tokens (`loopformer.model.flops`: matmul FLOPs, timestep terms once per sequence)")
+    out += ["", "| arm | overrides | parameters | loops × layers per answer | FLOPs per answer | median [min – max] "
+            "| per seed | runs |", "|---|---|---|---|---|---|---|---|"]
     for a in j["arms"]:
         per = " / ".join(f"{s}: {_fmt(x, c)}" for s, x in zip(a["seeds"], a["values"])) or "not run"
-        out.append(f"| {a['name']} | {' '.join(a.get('overrides') or []) or '—'} | "
-                   f"{a['params']:,} | {a['loops']} | {_mr(a['values'], c)} | {per} | "
-                   f"{', '.join(a['runs']) or '—'} |" if a["params"] is not None else
-                   f"| {a['name']} | — | — | — | {_mr(a['values'], c)} | {per} | {', '.join(a['runs']) or '—'} |")
+        cells = [a["name"], " ".join(a.get("overrides") or []) or "—",
+                 "—" if a["params"] is None else f"{a['params']:,}", "—" if a["loops"] is None else str(a["loops"]),
+                 "—" if a.get("flops") is None else format_flops(a["flops"]), _mr(a["values"], c), per,
+                 ", ".join(a["runs"]) or "—"]
+        out.append("| " + " | ".join(cells) + " |")
     if c.rule.kind == "paired" and v.diffs:
         out += ["", f"Paired differences ({_diff_label(j)}, per seed): "
                 + " / ".join(_fmt(d, c, signed=True) for d in v.diffs)]
@@ -347,8 +407,9 @@ def write_reproduce_report(judged: list[dict], out: Path, command: str, scale: s
                     "figure": j["claim"].figure, "paper": j["claim"].paper, "metric": j["claim"].metric,
                     "verdict": j["verdict"].verdict, "reason": j["verdict"].reason,
                     "values": j["verdict"].diffs, "median": j["verdict"].median,
-                    "arms": [{k: a[k] for k in ("name", "seeds", "values", "params", "loops", "runs")}
-                             for a in j["arms"]]} for j in judged]})
+                    "compute_note": j.get("compute_note"),
+                    "arms": [{k: a.get(k) for k in ("name", "seeds", "values", "params", "loops", "flops", "seq_len",
+                                                    "runs")} for a in j["arms"]]} for j in judged]})
     return {"report": md, "json": js}
 
 
@@ -423,7 +484,9 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
         for group, cmd in prepare_commands(claims, out, key):
             print(f"  prepare {group}: loopformer {' '.join(cmd)}")
         for r in runs:
-            print(f"  {r.spec.out_dir}: {r.spec.config} {' '.join(r.spec.overrides)}")
+            print(f"  {r.spec.out_dir}: {r.spec.config} {' '.join(r.spec.overrides)} — {_compute_text(r.compute)}")
+        for c in claims:
+            print(f"  {plan_compute_line(c, runs)}")
         return {"judged": [], "files": {}, "estimate": est, "ran": False}
     theory = run_theory(out, progress) if any(c.kind == "theory" for c in claims) else None
     if runs:
@@ -438,4 +501,5 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
     return {"judged": judged, "files": files, "estimate": est, "ran": True}
 
 
-__all__ = ["reproduce", "plan", "estimate", "judge", "summary_table", "update_readme", "export", "PlannedRun"]
+__all__ = ["reproduce", "plan", "estimate", "judge", "summary_table", "update_readme", "export", "PlannedRun",
+           "arm_compute", "plan_compute_line"]
