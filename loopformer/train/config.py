@@ -63,6 +63,10 @@ class TrainConfig:
     loops_start: int = 0              # loop curriculum: start with this many loops (0: off) ...
     loops_every: int = 1000           # ... and add loops_increment every loops_every steps, up to model.loops
     loops_increment: int = 1
+    curriculum_targets: str = "spread"  # per-loop targets of a curriculum's shorter steps (R < model.loops):
+                                      # "spread" the task's K steps over the R loops | "prefix" the first R loops of
+                                      # the full run's schedule (loop t keeps its target; the last read is not the
+                                      # answer until R = model.loops)
     # elastic depth (docs/elastic-depth.md): train one model for a range of loop budgets
     loops_sample: str = "fixed"       # the loop count R of a step: "fixed" (model.loops, or the curriculum) | drawn
                                       # "uniform" over loops_min..loops_max | "loguniform" (each octave alike);
@@ -120,6 +124,8 @@ class TrainConfig:
         _need(self.grad_clip >= 0 and self.weight_decay >= 0, "train.grad_clip and train.weight_decay must be >= 0")
         _need(self.loss_loops in LOSS_LOOPS, f"train.loss_loops must be one of {LOSS_LOOPS} (got {self.loss_loops!r})")
         _need(self.loss_window >= 1, "train.loss_window must be >= 1")
+        _need(self.curriculum_targets in ("spread", "prefix"),
+              f"train.curriculum_targets must be 'spread' or 'prefix' (got {self.curriculum_targets!r})")
         _need(self.loops_start >= 0 and self.loops_every >= 1 and self.loops_increment >= 1,
               "loop curriculum: loops_start >= 0, loops_every >= 1, loops_increment >= 1")
         _need(self.eval_every >= 0 and self.log_every >= 1, "train.eval_every >= 0 and train.log_every >= 1")

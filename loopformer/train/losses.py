@@ -96,10 +96,13 @@ def loss_loops(cfg: TrainConfig, loops: int) -> int | None:
     return min(cfg.loss_window, loops)
 
 
-def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int) -> torch.Tensor:
+def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int, schedule: int | None = None) -> torch.Tensor:
     """The targets of the last `n_read` of `loops` read-outs from a task's intermediate states: [n_read,B,T] from
-    step_targets [B,K,T], loop t scored against step j(t) (`loop_steps`)."""
-    j = torch.as_tensor(loop_steps(loops, step_targets.shape[1])[loops - n_read:] - 1, device=step_targets.device)
+    step_targets [B,K,T], loop t scored against step j(t) (`loop_steps`) of a run of `loops` loops — or, with
+    `schedule` (a curriculum's "prefix" targets), of a run of `schedule` >= loops loops, so a shorter step trains
+    the first loops of the full run on the same targets."""
+    full = loop_steps(max(loops, schedule or 0), step_targets.shape[1])[:loops]
+    j = torch.as_tensor(full[loops - n_read:] - 1, device=step_targets.device)
     return step_targets.index_select(1, j).transpose(0, 1)
 
 

@@ -50,6 +50,7 @@ SCREENS=(
   "curriculum:train.loops_start=4 train.loops_every=50 train.loops_increment=2"
   "jacobian:train.jacobian=0.1"
   "adam-b2:train.betas=[0.9,0.95]"
+  "prefix-curriculum:train.loops_start=4 train.loops_every=50 train.loops_increment=2 train.curriculum_targets=prefix"
   "curriculum-stablemax:train.loops_start=4 train.loops_every=50 train.loops_increment=2 train.loss=stablemax"
   "lr-1e-3:train.lr=1e-3"
   "lr-5e-4:train.lr=5e-4"
