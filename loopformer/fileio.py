@@ -4,7 +4,9 @@ manifest, choosing the torch device, and whether torch.compile can generate code
 Atomic writes: the content goes to a hidden temporary name next to its destination (`.NAME.tmp-*`) and is renamed
 into place (`os.replace`), so a reader never sees a half-written file and a failure leaves nothing behind. A folder
 is written the same way (`new_folder`); one that replaces an existing folder is swapped in with two renames: the old
-folder is first renamed aside (`.NAME.old-*`) and deleted after the swap (`replace_dir`).
+folder is first renamed aside (`.NAME.old-*`) and deleted after the swap (`replace_dir`). An output folder a command
+made is removed again when the command fails or is interrupted (`removed_on_failure`); the temporary folders of a
+process killed outright (kill -9, an abort) are removed by the next run into their folder (`remove_stale_temps`).
 
 Owned folders: a command writes only into a folder it made or one holding its own marker file (`foreign_entries`,
 `check_owned_folder`); lock and log files are opened without following a symbolic link (`open_nofollow`).
@@ -123,6 +125,21 @@ def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def removed_on_failure(folder: str | os.PathLike) -> Iterator[Path]:
+    """`with removed_on_failure(OUT):` a command that makes the folder OUT and writes its outputs there: if the
+    block fails or is interrupted (Ctrl-C, SIGTERM) and OUT did not exist before it, OUT is removed, so no partial
+    set of outputs is left; an existing OUT keeps what it held (each file in it is written atomically)."""
+    folder = Path(folder)
+    existed = os.path.lexists(folder)
+    try:
+        yield folder
+    except BaseException:
+        if not existed and folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
 def owner_dead(path: str | os.PathLike, prefix: str) -> bool:
     """Whether the hidden temporary `path`, named PREFIX<pid>-..., was left by a process that no longer runs."""
     pid = Path(path).name[len(prefix):].split("-", 1)[0]
@@ -209,6 +226,6 @@ def read_manifest(folder: str | os.PathLike, missing: str, name: str = "manifest
 
 
 __all__ = ["temp_path", "write_with", "write_text", "write_json", "write_figure", "check_figure_path", "replace_dir",
-           "new_folder",
+           "new_folder", "removed_on_failure",
            "foreign_entries", "check_owned_folder", "open_nofollow", "owner_dead", "remove_stale_temps",
            "read_manifest"]

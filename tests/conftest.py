@@ -8,6 +8,15 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 # records of verified data files go to a folder of this test session, not the user's cache
 os.environ.setdefault("LOOPFORMER_CACHE_DIR", tempfile.mkdtemp(prefix="loopformer-test-cache-"))
 
+# a run config that trains in a second (LCS of 3 letters, d = 8, 2 loops, 2 steps): the tests' smallest real run
+TINY_YAML = """\
+task: {name: lcs, options: {length: 3, alphabet_min: 2, alphabet_max: 3}, n_train: 32, n_test: 8}
+model: {d_model: 8, n_heads: 2, loops: 2}
+train: {steps: 2, batch_size: 4, log_every: 1, eval_every: 1}
+eval: {max_loops: 3}
+log: {tensorboard: false, progress: false, dynamics: false}
+"""
+
 
 @pytest.fixture(autouse=True)
 def _seed():

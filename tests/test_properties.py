@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import TINY_YAML
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,13 +29,6 @@ settings.register_profile("thorough", max_examples=150, deadline=None, database=
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 FAST, THOROUGH = settings.get_profile("fast"), settings.get_profile("thorough")
 
-TINY_YAML = """\
-task: {name: lcs, options: {length: 3, alphabet_min: 2, alphabet_max: 3}, n_train: 32, n_test: 8}
-model: {d_model: 8, n_heads: 2, loops: 2}
-train: {steps: 2, batch_size: 4, log_every: 1, eval_every: 1}
-eval: {max_loops: 3}
-log: {tensorboard: false, progress: false, dynamics: false}
-"""
 
 
 def run_cli(argv: list[str]) -> tuple[int, str]:

@@ -93,6 +93,32 @@ def test_convert_refuses_hostile_checkpoints_in_one_line(tmp_path, capsys, kind,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["convert", "info", "train"])
+def test_a_memory_refusal_names_only_switches_the_command_has(run, cfg, tmp_path, capsys, monkeypatch, command):
+    """A refusal for memory names the way to skip the check only where the command has one: `convert` and `info`
+    have none (no --no-memory-check, no config), `train` takes `memory_check=false`, `generate` --no-memory-check."""
+    import argparse
+    import re
+
+    import loopformer.model.memory as memory
+    from loopformer.cli import build_parser, memory_check_switch
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 1000)
+    torch.save(ckpt("lt"), tmp_path / "ckpt.pt")
+    argv = {"convert": ["convert", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "out")],
+            "info": ["info", str(run)],
+            "train": ["train", str(cfg), f"out_dir={tmp_path / 'r'}", "--quiet"]}[command]
+    assert main(argv) == 2
+    line = error_line(capsys, "GiB are available")
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    named = re.findall(r"--[a-z][a-z-]+", line)
+    assert all(flag in sub._option_string_actions for flag in named), line
+    assert ("memory_check=false" in line) == (command == "train"), line
+    assert not (tmp_path / "out").exists()
+    assert memory_check_switch(parser.parse_args(["generate", "x", "--prompt", "p"])) == "--no-memory-check"
+
+
 def test_convert_never_replaces_a_folder_it_did_not_write(run, tmp_path, capsys):
     torch.save(ckpt("lt"), tmp_path / "ckpt.pt")
     mine = tmp_path / "mine"

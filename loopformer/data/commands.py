@@ -9,38 +9,71 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
 from loopformer.commandline import add_group, add_quiet, add_rows, parse_options
-from loopformer.data.dataset import open_dataset, read_manifest, write_dataset, write_splits
+from loopformer.data.dataset import default_chunk_size, open_dataset, read_manifest, write_dataset, write_splits
 from loopformer.errors import UserError
+from loopformer.fileio import remove_stale_temps
+from loopformer.model.memory import GiB, available_bytes
 from loopformer.tasks import TASKS, get_task
 from loopformer.tasks.sudoku import import_csv
 
 
 def _count(text: str) -> int:
     """A non-negative sample count; accepts 1000, 1e6, 1_000_000."""
+    shown = text if len(text) <= 40 else text[:37] + "..."
     try:
         value = float(text.replace("_", ""))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a non-negative integer: {text!r}")
+        raise argparse.ArgumentTypeError(f"not a number: {shown!r}") from None
+    if not math.isfinite(value) or value < 0 or value != int(value):     # 1e400 is infinite
+        raise argparse.ArgumentTypeError(f"not a non-negative integer: {shown!r}")
     return int(value)
 
 
 def _check_out(out: str, force: bool) -> None:
-    """The output folder must be empty or absent unless --force (checked before any work)."""
+    """The output folder must be empty or absent unless --force (checked before any work). The temporary folder
+    of an earlier writer of it that was killed outright (`.OUT.tmp-<pid>-*` beside it) is removed."""
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise UserError(f"output folder is not empty: {out} (pass --force to replace it)")
+    dest = Path(os.path.abspath(out))
+    remove_stale_temps(dest.parent, f".{dest.name}.tmp-")
+
+
+MAX_CHUNK = 1 << 20          # rows per generation chunk
+BYTES_PER_TOKEN = 16         # what generating holds per token: inputs and targets, drawn and then gathered
+
+
+def _check_gen_sizes(task, args) -> None:
+    """One-line UserErrors, before anything is drawn, for a `data gen` whose processes, chunks or samples are out of
+    reach: at most 4 worker processes per CPU core, chunks of at most 2^20 rows, and the samples (with the chunks
+    in flight) must fit in the memory available."""
+    cores = os.cpu_count() or 1
+    if not 1 <= args.workers <= 4 * cores:
+        raise UserError(f"--workers must be in 1..{4 * cores} (4 per CPU core; got {args.workers})")
+    chunk = default_chunk_size(task) if args.chunk_size is None else args.chunk_size
+    if not 1 <= chunk <= MAX_CHUNK:
+        raise UserError(f"--chunk-size must be in 1..{MAX_CHUNK:,} (got {chunk})")
+    if args.seed < 0:
+        raise UserError(f"--seed must be a non-negative integer (got {args.seed})")
+    rows = args.train + args.test + chunk * (4 * args.workers + 1)
+    need = rows * max(int(task.seq_len), 1) * BYTES_PER_TOKEN
+    avail = available_bytes("cpu")
+    if need > avail:
+        raise UserError(f"data gen would hold about {need / GiB:,.1f} GiB of samples ({rows:,} rows of "
+                        f"{task.seq_len} tokens) but {avail / GiB:,.1f} GiB are available; lower --train / --test")
 
 
 def _gen(args) -> int:
     _check_out(args.out, args.force)
     task = get_task(args.task, **parse_options(args.opt))
+    _check_gen_sizes(task, args)
     t0 = time.perf_counter()
     manifest = write_dataset(args.out, task, args.train, args.test, seed=args.seed, workers=args.workers,
                              chunk_size=args.chunk_size, overwrite=args.force, progress=not args.quiet)

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import argparse
 
-from loopformer.commandline import add_device, add_quiet, add_rows, intermixed, parse_options, split_items
+from loopformer.commandline import (
+    add_device,
+    add_quiet,
+    add_rows,
+    check_overrides,
+    check_runs_folder,
+    intermixed,
+    parse_options,
+    split_items,
+)
 from loopformer.errors import UserError
 from loopformer.experiments.demo import run_demo
 from loopformer.experiments.report import write_report
@@ -22,6 +31,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for b in baseline:
         if "=" not in b:
             raise UserError(f"--baseline entry {b!r} is not of the form key=value")
+    check_overrides([f"{k}={v}" for k, vals in grid for v in vals], "--grid value")
+    check_overrides(baseline, "--baseline entry")
+    check_runs_folder(args.out)
     if not grid and not baseline:
         raise UserError("give --grid key=v1,v2 ... (and/or --baseline key=value ...)")
     run_sweep(config, grid, baseline, args.out, overrides, jobs=args.jobs, threads=args.threads,
@@ -44,11 +56,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    check_runs_folder(args.out)
     run_demo(args.out, quick=args.quick, jobs=args.jobs, threads=args.threads)
     return 0
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
+    check_runs_folder(args.out)
     ids = [i.strip() for part in args.claims or [] for i in part.split(",") if i.strip()] or None
     parts = ["loopformer reproduce"] + (["--claims", ",".join(ids)] if ids else []) + \
         (["--quick"] if args.quick else []) + ([f"--seeds {args.seeds}"] if args.seeds else []) + \

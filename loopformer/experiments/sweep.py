@@ -16,7 +16,6 @@ worker still writing. On Linux a worker also receives SIGTERM if the sweep itsel
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import itertools
 import math
@@ -24,13 +23,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from loopformer.commandline import interrupt_on_signals
 from loopformer.errors import UserError
 from loopformer.fileio import open_nofollow
 from loopformer.sources import source_class
@@ -154,29 +153,6 @@ def _run_inprocess(config: str | None, spec: RunSpec, overrides: list[str], thre
     train(cfg, resume=resume, progress=progress)
 
 
-@contextlib.contextmanager
-def stop_on_signals():
-    """While the sweep runs, SIGTERM and SIGHUP raise SystemExit(128 + signal) in the main thread (as SIGINT raises
-    KeyboardInterrupt), so the sweep's cleanup runs; a repeated signal during the cleanup is ignored. The previous
-    handlers are restored afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    fired: list[int] = []
-
-    def handler(signum, frame):
-        if not fired:
-            fired.append(signum)
-            raise SystemExit(128 + signum)
-
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
-
-
 def _die_with_parent() -> None:
     """In a worker (Linux): receive SIGTERM when the sweep process dies, even by SIGKILL (prctl PR_SET_PDEATHSIG)."""
     try:
@@ -211,7 +187,7 @@ def run_specs(specs: list[RunSpec], config: str | None = None, overrides: list[s
     todo = [s for s in specs if not _done(s)]
     if progress and len(todo) < len(specs):
         print(f"{desc}: {len(specs) - len(todo)} of {len(specs)} runs already finished, skipped", file=sys.stderr)
-    with stop_on_signals():
+    with interrupt_on_signals():   # SIGTERM / SIGHUP too: the cleanup below stops the workers
         if jobs <= 1:
             for i, s in enumerate(todo):
                 if progress:

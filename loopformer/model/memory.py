@@ -17,12 +17,17 @@ n_layers = 1e6) is refused without building anything:
     cache         generation: 2 × loops × layers × B × H × S × head_dim (keys and values of every loop)
 
 The budget is the memory available now (psutil on CPU, `torch.cuda.mem_get_info` on CUDA). `check_fits` raises a
-UserError naming the estimate and the budget; commands offer `--no-memory-check` (runs: `memory_check=false`) for
-users who know better.
+UserError naming the estimate and the budget, and the switch that skips the check where the command has one
+(`generate --no-memory-check`; runs: `memory_check=false`) for users who know better: the command line sets it for
+the command it runs (`skip_hint`), and a command without one (`convert`, `info`, `eval`) names none.
 Shapes: B batch, T length, D width, F MLP width, H heads, C outputs, R loops, S cache length.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 
@@ -106,18 +111,37 @@ def available_bytes(device: torch.device | str = "cpu") -> int:
     return int(psutil.virtual_memory().available)
 
 
+SKIP_SWITCHES = "--no-memory-check / memory_check=false"     # what skips the check, outside the command line
+_skip = contextvars.ContextVar("memory_check_skip", default=SKIP_SWITCHES)
+_UNSET = object()
+
+
+@contextlib.contextmanager
+def skip_hint(switch: str | None) -> Iterator[None]:
+    """While the block runs, `check_fits` names `switch` (e.g. `--no-memory-check`) as the way to skip the check,
+    or nothing when it is None: the running command's own switch, never one it does not have."""
+    token = _skip.set(switch)
+    try:
+        yield
+    finally:
+        _skip.reset(token)
+
+
 def check_fits(parts: dict[str, int], device: torch.device | str = "cpu", what: str = "this run",
-               hint: str = "", budget: int | None = None) -> int:
+               hint: str = "", budget: int | None = None, skip: str | None | object = _UNSET) -> int:
     """Raise a one-line UserError when the parts' sum exceeds the memory available on `device` (or `budget`);
-    returns the sum."""
+    returns the sum. The message names `skip`, the switch that turns the check off (default: the running
+    command's, `skip_hint`; None: there is none)."""
     total = sum(parts.values())
     avail = available_bytes(device) if budget is None else int(budget)
     if total > avail:
         big = max(parts, key=parts.get)
+        switch = _skip.get() if skip is _UNSET else skip
         raise UserError(f"{what} needs about {total / GiB:,.1f} GiB ({big} {parts[big] / GiB:,.1f} GiB) but "
                         f"{avail / GiB:,.1f} GiB are available on {torch.device(device).type}"
-                        f"{'; ' + hint if hint else ''} (or pass --no-memory-check / memory_check=false)")
+                        f"{'; ' + hint if hint else ''}{f' (or pass {switch})' if switch else ''}")
     return total
 
 
-__all__ = ["param_count", "estimate", "available_bytes", "check_fits", "check_loops", "loop_cap", "GiB", "MAX_LOOPS"]
+__all__ = ["param_count", "estimate", "available_bytes", "check_fits", "skip_hint", "check_loops", "loop_cap", "GiB",
+           "MAX_LOOPS"]

@@ -49,6 +49,7 @@ from loopformer.errors import UserError
 from loopformer.fileio import check_owned_folder, remove_stale_temps, write_with
 from loopformer.fileio import read_manifest as read_json_manifest
 from loopformer.text.tokenizers import (
+    MAX_BPE_VOCAB,
     TOKENIZER_FILE,
     ByteBPETokenizer,
     GPT2Tokenizer,
@@ -83,6 +84,9 @@ class PrepareOptions:
             raise UserError(f"tokenizer must be gpt2 or bpe (got {self.tokenizer!r})")
         if self.tokenizer == "bpe" and self.vocab_size < 257 + 1:
             raise UserError(f"vocab_size must be at least 258 for a byte-level BPE (got {self.vocab_size})")
+        if self.tokenizer != "gpt2" and self.vocab_size > MAX_BPE_VOCAB:   # before the library allocates for it
+            raise UserError(f"vocab-size must be at most {MAX_BPE_VOCAB:,} for a byte-level BPE "
+                            f"(got {self.vocab_size:,})")
         for name in ("val_fraction", "test_fraction"):
             v = getattr(self, name)
             if not 0.0 <= v < 0.5:

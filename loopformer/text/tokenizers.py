@@ -11,14 +11,20 @@ Two kinds, one interface (`encode` / `decode` / `eot_id` / `vocab_size`):
            `tokenizer.json`. Byte-level, so every string round-trips exactly.
 
 `load_tokenizer(spec, folder)` rebuilds the tokeniser a prepared corpus was made with (from its manifest entry).
+
+The long calls into the libraries (learning the merges, encoding a batch) run in native code that returns to
+Python only when done, and Python handles a signal only in the main thread between its own instructions; they run
+in a helper thread while the main thread waits (`interruptible`), so Ctrl-C or SIGTERM ends `text prepare` within
+a fraction of a second instead of after the call.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
@@ -29,6 +35,33 @@ from loopformer.fileio import write_with
 
 EOT_TEXT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+MAX_BPE_VOCAB = 1 << 20       # the largest byte-level BPE vocabulary `train` learns (the library allocates for it)
+
+T = TypeVar("T")
+
+
+def interruptible(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, run in a helper thread while the calling (main) thread waits, so that a signal
+    handled there (KeyboardInterrupt, `loopformer.commandline.Interrupted`) stops the wait at once. The helper is
+    a daemon thread: an interrupted call is abandoned and ends with the process. Outside the main thread `fn` runs
+    directly."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args, **kwargs)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:       # handed to the caller
+            box["error"] = exc
+
+    helper = threading.Thread(target=run, name=f"loopformer-{getattr(fn, '__name__', 'call')}", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class Tokenizer(Protocol):
@@ -66,7 +99,8 @@ class GPT2Tokenizer:
         return self._enc.encode_ordinary(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._enc.encode_ordinary_batch(list(texts), num_threads=max(1, min(8, os.cpu_count() or 1)))
+        return interruptible(self._enc.encode_ordinary_batch, list(texts),
+                             num_threads=max(1, min(8, os.cpu_count() or 1)))
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids])
@@ -95,14 +129,14 @@ class ByteBPETokenizer:
         if vocab_size < len(alphabet) + 1:
             raise UserError(f"vocab_size must be at least {len(alphabet) + 1} for a byte-level BPE "
                             f"(got {vocab_size})")
-        if vocab_size > 2 ** 32:
-            raise UserError(f"vocab_size {vocab_size} is too large")
+        if vocab_size > MAX_BPE_VOCAB:
+            raise UserError(f"vocab-size must be at most {MAX_BPE_VOCAB:,} for a byte-level BPE (got {vocab_size:,})")
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                       special_tokens=[EOT_TEXT], initial_alphabet=alphabet, show_progress=False)
-        tok.train_from_iterator(_nonempty(texts), trainer=trainer)
+        interruptible(tok.train_from_iterator, _nonempty(texts), trainer=trainer)
         return cls(tok)
 
     @classmethod
@@ -128,7 +162,7 @@ class ByteBPETokenizer:
         return self._encode_ordinary([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._encode_ordinary(list(texts))
+        return interruptible(self._encode_ordinary, list(texts))
 
     def _encode_ordinary(self, texts: list[str]) -> list[list[int]]:
         # The HF tokenizer matches added tokens before the model; to encode their text as plain bytes we split

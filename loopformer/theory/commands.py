@@ -14,7 +14,7 @@ import sys
 
 from loopformer.commandline import add_group, add_quiet
 from loopformer.errors import UserError
-from loopformer.fileio import write_json, write_text
+from loopformer.fileio import removed_on_failure, write_json, write_text
 from loopformer.model.memory import available_bytes
 from loopformer.theory.moduli import KINDS, estimate_modulus
 from loopformer.theory.rate import rate_experiment, write_rate
@@ -50,21 +50,44 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+MAX_RATE_LOOPS = 100_000        # the most loops of a network `theory rate` builds (δ^-1 + N + 2δ^-(N+1)d)
+MAX_RATE_CELLS = 1_000_000      # the most input cells (δ^-dN) it evaluates exactly
+MAX_RATE_VALUES = 10 ** 8       # the most Monte Carlo input values (samples × d × N)
+
+
+def check_rate_size(deltas: list[int], N: int, d: int, samples: int) -> None:
+    """One-line UserErrors, before anything is built, for a `theory rate` out of reach: its networks' loops, the
+    cells evaluated exactly, the Monte Carlo values (the exponents are checked on a log scale first, so that a huge
+    d or N is refused without computing δ^-(N+1)d)."""
+    for m in deltas:
+        if (N + 1) * d * math.log2(m) > 40 or m + N + 2 * m ** ((N + 1) * d) > MAX_RATE_LOOPS:
+            raise UserError(f"theory rate at δ^-1 = {m}, N = {N}, d = {d} would build a network of δ^-1 + N + "
+                            f"2δ^-(N+1)d loops, more than {MAX_RATE_LOOPS:,}; lower --deltas, --N or --d")
+        if d * N * math.log2(m) > 40 or m ** (d * N) > MAX_RATE_CELLS:
+            raise UserError(f"theory rate at δ^-1 = {m}, N = {N}, d = {d} would evaluate δ^-dN cells exactly, more "
+                            f"than {MAX_RATE_CELLS:,}; lower --deltas, --N or --d")
+    if samples * d * N > MAX_RATE_VALUES:
+        raise UserError(f"theory rate would draw {samples:,} samples of {d}×{N} inputs, more than "
+                        f"{MAX_RATE_VALUES:,} values; lower --samples")
+
+
 def _rate(args: argparse.Namespace) -> int:
     if args.N < 1 or args.d < 1:
         raise UserError("N and d must be >= 1")
     deltas = _ints(args.deltas)
-    if any(m ** args.d < args.N for m in deltas):
-        raise UserError(f"every δ^-1 needs δ^-d >= N = {args.N} distinct token cells")
     if args.samples < 1:
         raise UserError("--samples must be >= 1")
+    check_rate_size(deltas, args.N, args.d, args.samples)
+    if any(m ** args.d < args.N for m in deltas):
+        raise UserError(f"every δ^-1 needs δ^-d >= N = {args.N} distinct token cells")
     if not args.p >= 1:
         raise UserError(f"--p must be >= 1 (got {args.p})")
     f = load_target(args.target)
     check_target(f, args.d, args.N, f"target {args.target!r}")
     points = rate_experiment(deltas, args.N, args.d, f=f, p=args.p, samples=args.samples, seed=args.seed,
                              progress=not args.quiet)
-    csv_path, png_path = write_rate(points, args.out)
+    with removed_on_failure(args.out):
+        csv_path, png_path = write_rate(points, args.out)
     print("| δ⁻¹ | loops r | bits | L^p error (distinct) | L^p error (all) | bound (δ=1/δ⁻¹) | δ(r) | bound at δ(r) |")
     print("|---|---|---|---|---|---|---|---|")
     for pt in points:
