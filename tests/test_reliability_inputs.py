@@ -82,6 +82,15 @@ def _hostile(kind: str) -> dict:
     return c
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--batch", "-1"], "--batch must lie in"), (["--batch", "0"], "--batch must lie in"),
+    (["--length", "-5"], "--length must lie in"), (["--length", "100000"], "--length must lie in"),
+    (["debug", "--length", "100"], "exceeds preset debug's max_len")])
+def test_presets_refuses_input_it_cannot_time_in_one_line(capsys, flags, needle):
+    assert main(["presets", *flags]) == 2
+    error_line(capsys, needle)
+
+
 @pytest.mark.parametrize("kind,needle", [
     ("string", "n_loop must be an integer"), ("list", "vocab_size must be an integer"), ("huge", "d_model"),
     ("huge_block", "max_len"), ("misshaped", "shape"), ("heads", "n_heads"), ("tensor", "'model' entry"),

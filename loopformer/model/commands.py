@@ -36,14 +36,23 @@ def _time_step(model: torch.nn.Module, cfg, batch: int, length: int, steps: int 
     return min(times[1:])
 
 
+PRESET_MAX_BATCH, PRESET_MAX_LENGTH = 256, 4096   # the timed step's input: a measurement, not a workload
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
+    if not 1 <= args.batch <= PRESET_MAX_BATCH:
+        raise UserError(f"--batch must lie in 1..{PRESET_MAX_BATCH} (got {args.batch})")
+    if not 1 <= args.length <= PRESET_MAX_LENGTH:
+        raise UserError(f"--length must lie in 1..{PRESET_MAX_LENGTH} (got {args.length})")
     names = args.names or list(PRESETS)
     rows = []
     for name in names:
         if name not in PRESETS:
             raise UserError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
         cfg = PRESETS[name]
+        if cfg.indexed_positions and args.length > cfg.max_len:
+            raise UserError(f"--length {args.length} exceeds preset {name}'s max_len {cfg.max_len}")
         model = LoopedTransformer(cfg)
         sec = _time_step(model, cfg, args.batch, args.length)
         rows.append((name, cfg.variant, cfg.n_layers, cfg.loops, cfg.d_model, model.num_params(), sec))
