@@ -35,15 +35,18 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def start(argv: list[str], cwd: Path) -> tuple[subprocess.Popen, Path]:
-    """`loopformer ARGV` in a new process (SIGINT and SIGTERM at their defaults, whatever this process has);
-    returns the process and the file its stderr goes to."""
+def start(argv: list[str], cwd: Path, group: bool = False) -> tuple[subprocess.Popen, Path]:
+    """`loopformer ARGV` in a new process (SIGINT and SIGTERM at their defaults, whatever this process has; with
+    `group`, in a process group of its own, as a terminal's foreground job); returns the process and the file its
+    stderr goes to."""
     err = cwd / f"stderr-{time.monotonic_ns()}.txt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
     def defaults():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        if group:
+            os.setsid()
 
     with open(err, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "loopformer.cli", *argv], cwd=cwd, stdout=subprocess.DEVNULL,
@@ -69,10 +72,14 @@ def handling_signals(proc: subprocess.Popen) -> bool:
     return bool(caught >> (signal.SIGTERM - 1) & 1)
 
 
-def interrupt(proc: subprocess.Popen, err: Path, sig: int) -> float:
-    """Send `sig`; the seconds until the process ends, after checking its status and its one line."""
+def interrupt(proc: subprocess.Popen, err: Path, sig: int, group: bool = False) -> float:
+    """Send `sig` (with `group`, to the process's whole group, as Ctrl-C at a terminal does); the seconds until the
+    process ends, after checking its status and its one line (no traceback from it or its workers)."""
     t0 = time.monotonic()
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
@@ -174,6 +181,18 @@ def test_data_gen_ends_on_a_signal(tmp_path, sig):
     wait_for(proc, lambda: handling_signals(proc) and "lcs train:" in err.read_text(errors="replace"),
              "generation")
     interrupt(proc, err, sig)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_ctrl_c_ends_data_gen_with_workers_in_one_line(tmp_path):
+    """Ctrl-C at a terminal reaches the worker processes too: they leave it to the main process, which ends the pool
+    at once (its SIGTERM ends a worker without the command's handler) — one line, no worker's traceback."""
+    out = tmp_path / "data"
+    proc, err = start(["data", "gen", "lcs", "--out", str(out), "--train", "3000000", "--test", "1000",
+                       "--workers", "2"], tmp_path, group=True)
+    wait_for(proc, lambda: handling_signals(proc) and "lcs train:" in err.read_text(errors="replace"), "generation")
+    time.sleep(1.0)                                                   # the workers are generating
+    interrupt(proc, err, signal.SIGINT, group=True)
     assert not out.exists() and leftovers(tmp_path) == []
 
 

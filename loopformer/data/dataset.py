@@ -25,6 +25,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import signal
 from typing import Any
 
 import numpy as np
@@ -82,10 +83,20 @@ def _gen_chunk(args):
     return task.generate(chunk, chunk_seed(seed, split, k), split)
 
 
+def _quiet_worker() -> None:
+    """A generator worker leaves interrupts to the main process: a Ctrl-C at a terminal reaches the whole process
+    group, and the main process ends the pool and cleans up (a worker's own traceback would only add noise); the
+    pool's SIGTERM ends a worker at once (not through the handler a forked worker inherits from the command)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 def _pool(workers: int):
     methods = mp.get_all_start_methods()
     ctx = mp.get_context("fork" if "fork" in methods else "spawn")
-    return ctx.Pool(workers)
+    return ctx.Pool(workers, initializer=_quiet_worker)
 
 
 def _collect(task, n: int, seed: int, split: str, chunk: int, pool, seen: set, exclude: set, bar) -> dict:
@@ -208,6 +219,12 @@ def write_dataset(out_dir: str | os.PathLike, task, n_train: int, n_test: int, s
                     splits[split] = _collect(task, n, seed, split, chunk, pool, set(), train_seen, bar)
             finally:
                 bar.close()
+    except BaseException:                    # an error or a signal: stop the workers now, not after their queue
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+            pool = None
+        raise
     finally:
         if pool is not None:
             pool.close()
