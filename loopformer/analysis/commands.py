@@ -25,8 +25,7 @@ from loopformer.commandline import add_device, add_group, add_quiet, add_rows
 from loopformer.device import pick_device
 from loopformer.errors import UserError
 from loopformer.fileio import removed_on_failure
-from loopformer.model.io import load, read_config, resolve_checkpoint
-from loopformer.model.memory import check_loops
+from loopformer.model.io import load
 from loopformer.text.dataset import TokenCorpus
 
 
@@ -128,21 +127,9 @@ def _continuity(args) -> int:
     return 0
 
 
-def _trained_loops(path: str) -> int | None:
-    """The loops the checkpoint at `path` (or in the run folder) was trained with; None when it cannot be read
-    (`analyze_dynamics` then names the problem)."""
-    try:
-        return read_config(resolve_checkpoint(path))[0].loops
-    except (UserError, OSError):
-        return None
-
-
 def _dynamics(args) -> int:
     if args.max_loops < 0 or args.max_loops > 4096:
         raise UserError(f"max_loops must be between 0 and 4096 (got {args.max_loops})")
-    trained = _trained_loops(args.path) if args.max_loops else None
-    if trained is not None:          # before anything is measured
-        check_loops(args.max_loops, trained, "max_loops")
     out = args.out or os.path.join(args.path, "dynamics")
     with removed_on_failure(out):
         report = analyze_dynamics(args.path, out, max_loops=args.max_loops, limit=args.n,

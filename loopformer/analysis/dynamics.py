@@ -45,6 +45,7 @@ from loopformer.model.diagnostics import (
 )
 from loopformer.model.io import CONFIG, load, read_config, resolve_checkpoint
 from loopformer.model.layers import PARAM_GROUPS
+from loopformer.model.memory import check_loops
 from loopformer.sources import DataSource, TaskConfig, make_data
 from loopformer.tasks import IGNORE
 from loopformer.train.run import CKPT_DIR, METRICS_FILE, read_metrics
@@ -255,6 +256,8 @@ def analyze_dynamics(path: str, out: str, *, max_loops: int = 0, limit: int = 50
     if max_loops and max_loops < trained:
         raise UserError(f"max_loops={max_loops} is below the model's trained loops ({trained}): the dynamics are "
                         f"measured at least up to r")
+    if max_loops:
+        check_loops(max_loops, trained, "max_loops")                   # before anything is measured
     R = max_loops or 2 * trained
     res = dynamics_of(model, data, loops=R, batch_size=batch_size, limit=limit, device=dev)
     ev = evaluate(model, data, loops=trained, max_loops=R, batch_size=batch_size, limit=limit, device=dev)

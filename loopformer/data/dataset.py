@@ -26,6 +26,7 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import threading
 from typing import Any
 
 import numpy as np
@@ -96,7 +97,13 @@ def _quiet_worker() -> None:
 def _pool(workers: int):
     methods = mp.get_all_start_methods()
     ctx = mp.get_context("fork" if "fork" in methods else "spawn")
-    return ctx.Pool(workers, initializer=_quiet_worker)
+    if threading.current_thread() is not threading.main_thread():
+        return ctx.Pool(workers, initializer=_quiet_worker)
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)   # forked workers ignore Ctrl-C from their first instant
+    try:
+        return ctx.Pool(workers, initializer=_quiet_worker)
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _collect(task, n: int, seed: int, split: str, chunk: int, pool, seen: set, exclude: set, bar) -> dict:
@@ -222,12 +229,10 @@ def write_dataset(out_dir: str | os.PathLike, task, n_train: int, n_test: int, s
     except BaseException:                    # an error or a signal: stop the workers now, not after their queue
         if pool is not None:
             pool.terminate()
-            pool.join()
-            pool = None
         raise
     finally:
         if pool is not None:
-            pool.close()
+            pool.close()                         # (after terminate: a no-op)
             pool.join()
     return write_splits(out_dir, task, splits, seed, {"chunk_size": chunk, "source": "generator"}, overwrite)
 

@@ -117,18 +117,17 @@ def _done(spec: RunSpec) -> bool:
     return (spec.out_dir / "results.json").is_file()
 
 
-def _progress_of(spec: RunSpec) -> int:
-    """Steps finished so far by a running (or finished) run, from its metrics log."""
+def _state(spec: RunSpec) -> tuple[int, bool]:
+    """A run's steps finished so far and whether it is compiling its step, from one read of its metrics log."""
     if _done(spec):
-        return spec.steps
-    steps = [r.get("step", 0) for r in read_metrics(spec.out_dir) if r.get("split") == "train"]
-    return max(steps, default=0)
-
-
-def _compiling(spec: RunSpec) -> bool:
-    """Whether a running run is compiling its step (its metrics log's last event says so)."""
-    events = [r.get("event") for r in read_metrics(spec.out_dir) if r.get("split") == "event"]
-    return bool(events) and events[-1] == "compiling"
+        return spec.steps, False
+    steps, event = 0, None
+    for r in read_metrics(spec.out_dir):
+        if r.get("split") == "train":
+            steps = max(steps, r.get("step", 0))
+        elif r.get("split") == "event":
+            event = r.get("event")
+    return steps, event == "compiling"
 
 
 def _command(config: str | None, spec: RunSpec, overrides: list[str], threads: int) -> list[str]:
@@ -226,10 +225,11 @@ def _run_parallel(config, todo: list[RunSpec], specs: list[RunSpec], overrides, 
                     if proc.returncode != 0:
                         failed.append(f"{name} (exit {proc.returncode}; see {log_dir / (name + '.log')})")
                     del running[name]
-            done = sum(s.cost * min(_progress_of(s), s.steps) / max(s.steps, 1) for s in specs)
+            state = {s.name: _state(s) for s in specs}                  # (steps, compiling) per run
+            done = sum(s.cost * min(state[s.name][0], s.steps) / max(s.steps, 1) for s in specs)
             bar.n = round(done)
             post = {"runs": f"{sum(_done(s) for s in specs)}/{len(specs)}", "active": len(running)}
-            compiling = sum(_compiling(s) for _, s, _ in running.values())
+            compiling = sum(state[name][1] for name in running)
             if compiling:
                 post["compiling"] = compiling
             bar.set_postfix(post, refresh=False)

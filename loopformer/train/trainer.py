@@ -480,8 +480,8 @@ class Trainer:
         k = 1 if n_read is None else n_read
         per_loop_gate = self.trains_gate and N == 1              # the exit gate reads every loop (else every step)
         return_all, read_loops = n_read is not None or per_loop_gate, None if per_loop_gate else n_read
-        read_only = N == 1 and not self.trains_gate and tc.fixed_point == 0 and tc.jacobian == 0   # nothing
-        #                                                                     reads the final state
+        # nothing but the loss reads the final state: no later supervision step, gate, fixed-point or Jacobian loss
+        read_only = N == 1 and not self.trains_gate and tc.fixed_point == 0 and tc.jacobian == 0
         at = mb.get("read_at")                                   # [n] | None: every position
         targets = mb["targets"] if "step_targets" not in mb else \
             loop_targets(mb["step_targets"], R, n_read,                          # [n_read,B,T] per-loop targets
