@@ -22,18 +22,22 @@ Shapes: R loops, B batch, T length, D width, C outputs, k layers per block.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from loopformer.model.layers import PARAM_GROUPS, param_group
 from loopformer.model.options import LoopOptions
 
 
-def grad_norms(model: torch.nn.Module) -> dict[str, float]:
-    """L2 norm of the current gradients per parameter group (groups without parameters are left out)."""
+def grad_norms(model: torch.nn.Module,
+               reduce: Callable[[list[float]], list[float]] | None = None) -> dict[str, float]:
+    """L2 norm of the current gradients per parameter group (groups without parameters are left out). A sharded
+    model's gradients are summed over this process's shards and `reduce` adds the squares up over processes."""
     sq: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, p in model.named_parameters():
@@ -41,9 +45,14 @@ def grad_norms(model: torch.nn.Module) -> dict[str, float]:
             continue
         seen.add(id(p))
         g = param_group(name)
-        s = p.grad.detach().float().pow(2).sum()
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        s = grad.detach().float().pow(2).sum()
         sq[g] = sq[g] + s if g in sq else s
-    return {g: float(sq[g].sqrt()) for g in PARAM_GROUPS if g in sq}
+    groups = [g for g in PARAM_GROUPS if g in sq]
+    if reduce is not None:
+        total = reduce([float(sq[g]) for g in groups])
+        return {g: math.sqrt(v) for g, v in zip(groups, total)}
+    return {g: float(sq[g].sqrt()) for g in groups}
 
 
 @torch.no_grad()

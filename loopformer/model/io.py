@@ -27,7 +27,7 @@ import pickle
 import shutil
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +172,9 @@ def _write_errors(dest: Path) -> Iterator[None]:
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: dict | None = None,
                     task: dict | None = None, training_state: dict | None = None,
-                    ema: torch.nn.Module | None = None) -> Path:
-    """Write a checkpoint folder atomically (with `ema`, the averaged weights too); returns its path."""
+                    ema: torch.nn.Module | None = None, extra: Callable[[Path], None] | None = None) -> Path:
+    """Write a checkpoint folder atomically (with `ema`, the averaged weights too); returns its path. `extra(tmp)`
+    writes more into the new folder before its config.json (a sharded model's distributed checkpoint)."""
     dest = Path(path)
     raw = unwrap(model)
     with new_folder(dest) as tmp, _write_errors(dest):
@@ -182,6 +183,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: dic
             save_model(unwrap(ema), str(tmp / EMA_WEIGHTS))
         if training_state is not None:
             torch.save(training_state, tmp / STATE)
+        if extra is not None:
+            extra(tmp)
         cfg = to_dict(raw.config)      # last: a folder without a whole config.json is incomplete (`checkpoint_step`)
         cfg.update({"run": run or {}, "task": task or {}, "loopformer_version": __version__})
         (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=False, default=str) + "\n")
@@ -196,13 +199,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return p / RUN_CHECKPOINT if (p / RUN_CHECKPOINT / CONFIG).is_file() else p
 
 
-def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """(model config, the rest of config.json) of a checkpoint folder (or of the one inside a run folder)."""
+def read_config(path: str | os.PathLike, weights: bool = True) -> tuple[ModelConfig, dict]:
+    """(model config, the rest of config.json) of a checkpoint folder (or of the one inside a run folder);
+    `weights`: the folder must hold model.safetensors too."""
     p = resolve_checkpoint(path)
     if not p.exists():
         raise UserError(f"checkpoint not found: {p}")
-    if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
-        raise UserError(f"{p} is not a loopformer checkpoint (needs {CONFIG} and {WEIGHTS})")
+    if not (p / CONFIG).is_file() or (weights and not (p / WEIGHTS).is_file()):
+        raise UserError(f"{p} is not a loopformer checkpoint (needs {CONFIG}{f' and {WEIGHTS}' if weights else ''})")
     try:
         data = json.loads((p / CONFIG).read_text())
     except (ValueError, OSError) as exc:   # bad JSON, not UTF-8, unreadable

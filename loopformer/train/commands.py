@@ -34,6 +34,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from loopformer.train.sharding import export_sharded  # torch.distributed.checkpoint: only for this command
+    print(f"wrote {export_sharded(args.checkpoint, args.out)}")
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a model from a run config",
                               description="Train from CONFIG with dotted key=value overrides; "
@@ -46,6 +52,14 @@ def register(subparsers) -> None:
     add_quiet(p, "no progress bar; of the summary only the final metrics line")
     p.set_defaults(func=cmd_train)
     intermixed(p)
+
+    p = subparsers.add_parser("export", help="a sharded (train.parallel=fsdp) checkpoint as one weights file",
+                              description="Rebuild the full weights of a sharded checkpoint (RUN's checkpoint or a "
+                                          "checkpoint folder) from its sharded/ folder, in one process, as a "
+                                          "checkpoint folder that load, eval and generate read.")
+    p.add_argument("checkpoint", metavar="RUN")
+    p.add_argument("--out", required=True, help="checkpoint folder to write (new, empty or an earlier export)")
+    p.set_defaults(func=cmd_export)
 
 
 __all__ = ["register"]

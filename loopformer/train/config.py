@@ -110,6 +110,9 @@ class TrainConfig:
     exit_entropy_weight: float = 0.01 # "distribution": β, the weight of the exit distribution's entropy bonus
     ema_decay: float = 0.0            # > 0: keep an exponential moving average of the weights with this decay
                                       # (e.g. 0.999), evaluated and checkpointed next to the raw weights
+    parallel: str = "ddp"             # several processes (torchrun): "ddp" (each holds the whole model, gradients
+                                      # all-reduced) | "fsdp" (parameters, gradients and optimiser state sharded over
+                                      # the processes, distributed checkpoints; loopformer.train.sharding)
 
     def __post_init__(self) -> None:
         _need(self.steps >= 0 and self.epochs >= 0, "train.steps and train.epochs must be >= 0")
@@ -156,6 +159,7 @@ class TrainConfig:
         _need(self.loss in ("cross_entropy", "stablemax"),
               f"train.loss must be 'cross_entropy' or 'stablemax' (got {self.loss!r})")
         _need(0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1) (got {self.ema_decay})")
+        _need(self.parallel in ("ddp", "fsdp"), f"train.parallel must be 'ddp' or 'fsdp' (got {self.parallel!r})")
         _need(self.exit_loss_weight >= 0 and self.exit_entropy_weight >= 0,
               "train.exit_loss_weight and train.exit_entropy_weight must be >= 0")
 

@@ -1,4 +1,5 @@
-"""Processes, devices and reductions for `torchrun` data parallelism (PyTorch DDP: NCCL on GPUs, gloo on CPU).
+"""Processes, devices and reductions for `torchrun` data parallelism (PyTorch DDP or FSDP2, `train.parallel`:
+NCCL on GPUs, gloo on CPU; the sharding itself is `loopformer.train.sharding`).
 
 A plain `python` launch is a world of one process and every helper is a no-op there. Under
 `torchrun --nproc_per_node=N`, `RANK`, `WORLD_SIZE` and `LOCAL_RANK` are set; each process takes its slice of
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from loopformer.device import pick_device
+from loopformer.errors import UserError
 
 
 @dataclass
@@ -23,6 +25,7 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    sharded: bool = False        # train.parallel=fsdp: the model is sharded over the processes (FSDP2)
 
     @property
     def main(self) -> bool:
@@ -33,18 +36,22 @@ class Dist:
         return self.world > 1
 
 
-def setup(device_choice: str = "auto") -> Dist:
-    """Join the process group when launched by torchrun (once per process); pick this process's device."""
+def setup(device_choice: str = "auto", sharded: bool = False) -> Dist:
+    """Join the process group when launched by torchrun (once per process); pick this process's device.
+    `sharded` (train.parallel=fsdp) needs torchrun's launch and joins its group even as a world of one."""
+    if sharded and "WORLD_SIZE" not in os.environ:
+        raise UserError("train.parallel=fsdp shards the model over torchrun's processes: launch with "
+                        "torchrun --nproc_per_node=N -m loopformer.cli train ... (N >= 1), or use train.parallel=ddp")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_choice, local)
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or sharded) and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend)
-    return Dist(rank=rank, world=world, local_rank=local, device=device)
+    return Dist(rank=rank, world=world, local_rank=local, device=device, sharded=sharded)
 
 
 def teardown() -> None:

@@ -39,4 +39,21 @@ class EMA:
             a.copy_(b)
 
 
-__all__ = ["EMA"]
+class ShardedEMA:
+    """The moving average of a sharded model's weights (`train.parallel=fsdp`): each process averages its own shard
+    of every parameter (`tensors`, {name: sharded tensor}), with the same arithmetic as `EMA`; checkpoints write the
+    shards with the model's (`loopformer.train.sharding`) and rank 0 the gathered average as `ema.safetensors`."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"the EMA decay must be in (0, 1) (got {decay})")
+        self.decay = float(decay)
+        self.tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        for n, p in model.named_parameters():
+            self.tensors[n].mul_(self.decay).add_(p.detach(), alpha=1.0 - self.decay)
+
+
+__all__ = ["EMA", "ShardedEMA"]

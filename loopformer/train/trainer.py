@@ -53,7 +53,7 @@ from loopformer.train import run
 from loopformer.train.compiling import compile_block, compile_scope, eager, uncompile_block
 from loopformer.train.config import RunConfig
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
-from loopformer.train.ema import EMA
+from loopformer.train.ema import EMA, ShardedEMA
 from loopformer.train.losses import (
     at_read,
     elastic_losses,
@@ -68,14 +68,33 @@ from loopformer.train.losses import (
 )
 from loopformer.train.optim import budget_range, lr_at, make_optimizer, sample_loops, steps_for
 from loopformer.train.run import MetricsLog
+from loopformer.train.sharding import (
+    SHARDED,
+    full,
+    full_state,
+    gather_tensors,
+    gradient_sync,
+    load_sharded,
+    local,
+    reshard,
+    save_sharded,
+    shard_model,
+)
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-def autocast_for(cfg: RunConfig, device: torch.device) -> tuple[Callable[[], Any], bool]:
-    """(context factory, needs a gradient scaler) for the configured precision on `device`."""
+def precision_for(cfg: RunConfig, device: torch.device) -> str:
+    """The training precision on `device`: train.precision, with "auto" resolved (bf16 on a CUDA GPU that has it,
+    else fp32)."""
     prec = cfg.train.precision
     if prec == "auto":
         prec = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return prec
+
+
+def autocast_for(cfg: RunConfig, device: torch.device) -> tuple[Callable[[], Any], bool]:
+    """(context factory, needs a gradient scaler) for the configured precision on `device`."""
+    prec = precision_for(cfg, device)
     if prec == "fp32":
         return contextlib.nullcontext, False
     dtype = torch.bfloat16 if prec == "bf16" else torch.float16
@@ -84,12 +103,15 @@ def autocast_for(cfg: RunConfig, device: torch.device) -> tuple[Callable[[], Any
     return (lambda: torch.autocast(device.type, dtype=dtype)), prec == "fp16"
 
 
-def nonfinite_parameter(model: torch.nn.Module) -> str | None:
-    """The name of the first parameter holding a NaN or an infinity, or None (one host sync)."""
-    params = [(n, p) for n, p in unwrap(model).named_parameters()]
+def nonfinite_parameter(model: torch.nn.Module, d: Dist | None = None) -> str | None:
+    """The name of the first parameter holding a NaN or an infinity, or None (one host sync). A sharded model's
+    shards are checked on every process and the flags summed over processes (`d`; every process must call it)."""
+    params = [(n, local(p)) for n, p in unwrap(model).named_parameters()]
     if not params:
         return None
     flags = torch.stack([torch.isfinite(p.detach()).all() for _, p in params])
+    if d is not None and d.active and d.sharded:
+        flags = torch.tensor(all_sum(d, (~flags).double().tolist())) == 0
     if bool(flags.all()):
         return None
     return params[int((~flags).nonzero()[0, 0])][0]
@@ -194,7 +216,7 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None
     other files (see `loopformer.train.run.prepare`). Rank 0 holds the run folder's lock throughout. Under torchrun
     every process calls this.
     """
-    d = setup(cfg.device)
+    d = setup(cfg.device, sharded=cfg.train.parallel == "fsdp")
     lock = run.RunLock(cfg.out_dir) if d.main else None
     try:
         if lock is not None:
@@ -265,11 +287,19 @@ class Trainer:
                        "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
                                         "or set model.checkpoint=true")
         self.model = LoopedTransformer(cfg.model).to(d.device)
+        if d.sharded:                            # before the optimiser: sharding replaces the parameters
+            shard_model(self.model, d.device, precision_for(cfg, d.device))
         self.optimizer = make_optimizer(self.model, tc)
         named = list(self.model.named_parameters())
         self.gate_params = [p for n, p in named if n.startswith("exit_gate.")]
         self.trunk_params = [p for n, p in named if not n.startswith("exit_gate.")]
-        self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
+        self.ema: EMA | ShardedEMA | None = None
+        if tc.ema_decay > 0:
+            self.ema = ShardedEMA(self.model, tc.ema_decay) if d.sharded else EMA(self.model, tc.ema_decay)
+        # a sharded model's full weights (and average) on rank 0, for evaluation, dynamics and checkpoints
+        self.replica: LoopedTransformer | None = None
+        self.ema_replica: LoopedTransformer | None = None
+        self.replica_step = -1                   # the step whose weights the replicas hold
         self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
         self.trains_gate = cfg.model.exit_gate and tc.exit_loss_weight > 0   # the exit loss enters the step
         self.start, self.state, self.finished = 0, None, False   # the first step, the checkpoint's training state
@@ -303,18 +333,20 @@ class Trainer:
             self._restore()
 
     def _restore(self) -> None:
-        """Weights, optimiser, scaler, step and this process's RNG state from the run's checkpoint."""
-        load_weights(self.model, self.ckpt_dir, self.d.device)
-        if self.ema is not None:
-            load_weights(self.ema.module, self.ckpt_dir, self.d.device, ema=True)
+        """Weights, optimiser, scaler, step and this process's RNG state from the run's checkpoint (a sharded
+        model's from the checkpoint's sharded folder, written by any number of processes)."""
         state = load_training_state(self.ckpt_dir)
         if state is None:
             raise UserError(f"cannot resume: {self.ckpt_dir} holds no training state")
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-            raise UserError(f"cannot resume from {self.ckpt_dir}: its optimizer state does not fit this model "
-                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        layout = "fsdp" if state.get("sharded") else "ddp"
+        if layout != self.cfg.train.parallel:
+            raise UserError(f"cannot resume from {self.ckpt_dir}: it was written with train.parallel={layout}, this "
+                            f"run has train.parallel={self.cfg.train.parallel} (resume with {layout})")
+        if self.d.sharded:
+            load_sharded(self.ckpt_dir / SHARDED, self.model, self.optimizer,
+                         None if self.ema is None else self.ema.tensors)
+        else:
+            self._restore_plain(state)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.start, self.state = int(state["step"]), state
@@ -324,11 +356,22 @@ class Trainer:
         rngs = state["rng"]
         _set_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0], self.d.device)
 
+    def _restore_plain(self, state: dict) -> None:
+        """The weights (and average) from model.safetensors, the optimiser from the training state."""
+        load_weights(self.model, self.ckpt_dir, self.d.device)
+        if self.ema is not None:
+            load_weights(self.ema.module, self.ckpt_dir, self.d.device, ema=True)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+            raise UserError(f"cannot resume from {self.ckpt_dir}: its optimizer state does not fit this model "
+                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
     def wrap(self) -> None:
         """The module the steps run: the model, inside DDP when several processes train, compiled when asked
         (`self.net`; checkpoints always save the raw `self.model`)."""
         self.net = self.model
-        if self.d.active:
+        if self.d.active and not self.d.sharded:       # sharded: the model reduces its own gradients
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.d.device] if self.d.device.type == "cuda" else None)
         self.compiled, self.regional = None, False
@@ -421,7 +464,10 @@ class Trainer:
         self.train_time = float(state.get("train_time", 0.0)) if state else 0.0
         if state is not None and state.get("window"):   # the log window the checkpoint cut (exact metrics on resume)
             win = state["window"]
-            w = [float(x) for x in (win[d.rank] if d.rank < len(win) else win[0])]
+            if len(win) == d.world:
+                w = [float(x) for x in win[d.rank]]
+            else:   # written by another number of processes: the sums all go to rank 0 (log_train adds them up)
+                w = [sum(float(r[i]) for r in win) if d.main else 0.0 for i in range(4)]
             self.acc_loss.fill_(w[0])
             self.acc_correct.fill_(w[1])
             self.acc_count, self.acc_tokens = w[2], w[3]
@@ -491,7 +537,7 @@ class Trainer:
 
         def run_step(j: int, state: torch.Tensor | None, offset: int) -> LoopOutput:
             sync = last and j == N - 1
-            with self.net.no_sync() if (d.active and not sync) else contextlib.nullcontext():
+            with gradient_sync(self.net, sync or not d.active):
                 with self.autocast():
                     s, out = self.forward_loss(mb["inputs"], state, offset, at, targets, mb.get("weight"), R_mb,
                                                return_all, read_loops, n_read, rows, read_only)
@@ -533,10 +579,13 @@ class Trainer:
         """Unscale, record the gradient norms (dynamics steps), clip the trunk's and the exit gate's gradients
         apart, step the optimiser and the weight average."""
         d, tc = self.d, self.cfg.train
+        if d.sharded:                            # the step's gradients are reduced: free the gathered weights
+            reshard(self.model)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if d.main and self.dyn_every and (step + 1) % self.dyn_every == 0:
-            self.dyn_grads = grad_norms(self.model)              # before clipping
+        if (d.main or d.sharded) and self.dyn_every and (step + 1) % self.dyn_every == 0:
+            self.dyn_grads = grad_norms(self.model,                # before clipping (sharded: summed over ranks)
+                                        reduce=(lambda v: all_sum(d, v)) if d.sharded else None)
         self.gnorm = (torch.nn.utils.clip_grad_norm_(self.trunk_params, tc.grad_clip) if tc.grad_clip > 0
                       else None)
         if tc.grad_clip > 0 and self.gate_params:   # the exit gate's own norm: its loss never rescales the trunk's
@@ -557,7 +606,7 @@ class Trainer:
                                                             self.acc_count, self.acc_tokens])
         now = time.perf_counter()
         rec = {"split": "train", "step": done, "loss": loss_sum / max(count, 1.0), "lr": self.lr, "loops": self.loops,
-               "grad_norm": float(self.gnorm) if self.gnorm is not None else None,
+               "grad_norm": float(full(self.gnorm)) if self.gnorm is not None else None,
                "tokens_per_s": tokens / max(now - self.window_t0, 1e-9),
                "train_time": self.train_time}
         if self.data.classifies:
@@ -579,14 +628,15 @@ class Trainer:
         self.window_t0 = now
 
     def log_dynamics(self, done: int) -> None:
+        model, _ = self.full_models(done)
         if self.d.main:
-            with eager(self.model):             # measurements run eagerly (other shapes, eval mode)
-                self.log.write(dynamics_record(self.model, self.last_micro, self.loops, done, self.dyn_grads))
+            with eager(model):                  # measurements run eagerly (other shapes, eval mode)
+                self.log.write(dynamics_record(model, self.last_micro, self.loops, done, self.dyn_grads))
 
     # ------------------------------------------------------------------ evaluation, checkpoints, results
     def check_finite(self, step: int) -> None:
         """Stop before NaN / inf weights or a non-finite loss reach a checkpoint or the metrics log."""
-        bad = nonfinite_parameter(self.model)
+        bad = nonfinite_parameter(self.model, self.d)
         if bad is None and not bool(torch.isfinite(self.acc_loss)):
             bad = "the training loss"
         if bad is not None:
@@ -598,30 +648,65 @@ class Trainer:
         budgets of `cfg.eval`: `loopformer.eval.run.evaluate_all`), logged and shared with every process."""
         cfg, res = self.cfg, None
         self.check_finite(step)
+        model, ema = self.full_models(step)
         if self.d.main:
             kw = dict(loopwise=final, device=self.d.device, autocast=self.autocast)
-            with eager(self.model):              # evaluation runs eagerly (a compiled block: other shapes)
-                res = evaluate_all(self.model, self.data, cfg.eval, extras=final, **kw)
+            with eager(model):                   # evaluation runs eagerly (a compiled block: other shapes)
+                res = evaluate_all(model, self.data, cfg.eval, extras=final, **kw)
             rec = {"split": "test", "step": step, "loops": res["loops"], **res["metrics"]}
-            if self.ema is not None:
-                res_ema = evaluate_all(self.ema.module, self.data, cfg.eval, extras=False, **kw)
+            if ema is not None:
+                res_ema = evaluate_all(ema, self.data, cfg.eval, extras=False, **kw)
                 res["ema"] = res_ema
                 rec.update({f"ema_{k}": v for k, v in res_ema["metrics"].items()})
             self.log.write(rec)
         return broadcast_object(self.d, res)
 
+    def full_models(self, step: int) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+        """The model and its weight average (None without one) with full weights, for evaluation, dynamics and
+        checkpoints on rank 0: the model itself, or for a sharded model replicas gathered from the shards (once per
+        step; every process must call it, the others get None)."""
+        if not self.d.sharded:
+            return self.model, None if self.ema is None else self.ema.module
+        if self.replica_step != step:
+            weights = full_state(self.model)
+            average = None if self.ema is None else gather_tensors(self.ema.tensors, self.d.main)
+            if self.d.main:
+                if self.replica is None:
+                    self.replica = LoopedTransformer(self.cfg.model).to(self.d.device)
+                self.replica.load_state_dict(weights)
+                if average is not None:
+                    if self.ema_replica is None:
+                        self.ema_replica = LoopedTransformer(self.cfg.model).to(self.d.device).eval()
+                    self.ema_replica.load_state_dict({**weights, **average})
+            self.replica_step = step
+        return self.replica, self.ema_replica
+
     def checkpoint(self, step: int) -> None:
-        """Weights, optimiser, scaler, every process's RNG state and log window, written by rank 0."""
+        """Weights, optimiser, scaler, every process's RNG state and log window, written by rank 0 (a sharded
+        model's weights, optimiser state and average by every process into the checkpoint's sharded folder, and
+        by rank 0 whole as model.safetensors and ema.safetensors)."""
         self.check_finite(step)
         window = [float(self.acc_loss), float(self.acc_correct), float(self.acc_count), float(self.acc_tokens)]
         mine = gather_objects(self.d, {"rng": _rng_state(self.d.device), "window": window})
+        model, ema = self.full_models(step)
+        sharded = self.d.sharded
+
+        def write_shards(tmp: Path | None) -> None:      # every process: the sharded state into the new folder
+            folder = Path(broadcast_object(self.d, None if tmp is None else str(tmp / SHARDED)))
+            save_sharded(folder, self.model, self.optimizer, None if self.ema is None else self.ema.tensors)
+            barrier(self.d)
+
         if self.d.main:
-            save_checkpoint(self.ckpt_dir, self.model, run=to_dict(self.cfg), task=self.data.describe(),
-                            training_state={"step": step, "optimizer": self.optimizer.state_dict(),
+            save_checkpoint(self.ckpt_dir, model, run=to_dict(self.cfg), task=self.data.describe(),
+                            training_state={"step": step,
+                                            "optimizer": {} if sharded else self.optimizer.state_dict(),
+                                            "sharded": sharded,
                                             "scaler": self.scaler.state_dict() if self.scaler else None,
                                             "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
                                             "train_time": self.train_time, "total_steps": self.total},
-                            ema=None if self.ema is None else self.ema.module)
+                            ema=ema, extra=write_shards if sharded else None)
+        elif sharded:
+            write_shards(None)
         barrier(self.d)
 
     def finish(self, final: dict) -> dict:
