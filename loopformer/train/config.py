@@ -110,6 +110,9 @@ class TrainConfig:
     exit_entropy_weight: float = 0.01 # "distribution": β, the weight of the exit distribution's entropy bonus
     ema_decay: float = 0.0            # > 0: keep an exponential moving average of the weights with this decay
                                       # (e.g. 0.999), evaluated and checkpointed next to the raw weights
+    skip_spikes: float = 0.0          # > 1: skip an optimiser step whose gradient norm (before clipping) exceeds this
+                                      # many times its running geometric mean (loopformer.train.spikes); 0: off
+    spike_window: int = 100           # steps the running mean of log gradient norms spans
     parallel: str = "ddp"             # several processes (torchrun): "ddp" (each holds the whole model, gradients
                                       # all-reduced) | "fsdp" (parameters, gradients and optimiser state sharded over
                                       # the processes, distributed checkpoints; loopformer.train.sharding)
@@ -159,6 +162,9 @@ class TrainConfig:
         _need(self.loss in ("cross_entropy", "stablemax"),
               f"train.loss must be 'cross_entropy' or 'stablemax' (got {self.loss!r})")
         _need(0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1) (got {self.ema_decay})")
+        _need(self.skip_spikes == 0 or (math.isfinite(self.skip_spikes) and self.skip_spikes > 1),
+              f"train.skip_spikes must be 0 (off) or a factor > 1 (got {self.skip_spikes})")
+        _need(self.spike_window >= 2, f"train.spike_window must be >= 2 (got {self.spike_window})")
         _need(self.parallel in ("ddp", "fsdp"), f"train.parallel must be 'ddp' or 'fsdp' (got {self.parallel!r})")
         _need(self.exit_loss_weight >= 0 and self.exit_entropy_weight >= 0,
               "train.exit_loss_weight and train.exit_entropy_weight must be >= 0")

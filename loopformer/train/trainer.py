@@ -54,6 +54,7 @@ from loopformer.train.compiling import compile_block, compile_scope, eager, unco
 from loopformer.train.config import RunConfig
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
 from loopformer.train.ema import EMA, ShardedEMA
+from loopformer.train.spikes import SpikeGuard
 from loopformer.train.losses import (
     at_read,
     elastic_losses,
@@ -302,6 +303,7 @@ class Trainer:
         self.replica_step = -1                   # the step whose weights the replicas hold
         self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
         self.trains_gate = cfg.model.exit_gate and tc.exit_loss_weight > 0   # the exit loss enters the step
+        self.spikes = SpikeGuard(tc.skip_spikes, tc.spike_window) if tc.skip_spikes > 0 else None
         self.start, self.state, self.finished = 0, None, False   # the first step, the checkpoint's training state
         # the module the steps run (`wrap`: inside DDP, the step compiled)
         self.net: torch.nn.Module = self.model
@@ -349,6 +351,8 @@ class Trainer:
             self._restore_plain(state)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.spikes is not None and state.get("spikes"):
+            self.spikes.load_state_dict(state["spikes"])
         self.start, self.state = int(state["step"]), state
         if self.start >= self.total and run.results_done(self.run_dir, self.start):
             self.finished = True
@@ -588,6 +592,14 @@ class Trainer:
                                         reduce=(lambda v: all_sum(d, v)) if d.sharded else None)
         self.gnorm = (torch.nn.utils.clip_grad_norm_(self.trunk_params, tc.grad_clip) if tc.grad_clip > 0
                       else None)
+        if self.spikes is not None:              # a gradient spike: the step is dropped (`train/spikes.py`)
+            norm = self.gnorm if self.gnorm is not None else \
+                torch.nn.utils.clip_grad_norm_(self.trunk_params, math.inf)
+            if self.spikes.check(float(full(norm))):
+                if self.scaler is not None:
+                    self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                return
         if tc.grad_clip > 0 and self.gate_params:   # the exit gate's own norm: its loss never rescales the trunk's
             torch.nn.utils.clip_grad_norm_(self.gate_params, tc.grad_clip)
         if self.scaler is not None:
@@ -612,6 +624,8 @@ class Trainer:
         if self.data.classifies:
             rec["accuracy"] = correct / max(count, 1.0)
         rec.update(solve_record(self.model))    # the fixed-point mode: the window's last solve (iterations, residual)
+        if self.spikes is not None:
+            rec["skipped_steps"] = self.spikes.skipped         # the run's total so far
         if not math.isfinite(rec["loss"]):
             raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
                             f"checkpoint is kept (lower train.lr or enable train.grad_clip)")
@@ -702,6 +716,7 @@ class Trainer:
                                             "optimizer": {} if sharded else self.optimizer.state_dict(),
                                             "sharded": sharded,
                                             "scaler": self.scaler.state_dict() if self.scaler else None,
+                                            "spikes": self.spikes.state_dict() if self.spikes else None,
                                             "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
                                             "train_time": self.train_time, "total_steps": self.total},
                             ema=ema, extra=write_shards if sharded else None)
@@ -732,6 +747,7 @@ class Trainer:
                 **({"budgets": budgets} if budgets else {}),
                 **({"halting_sweep": sweep} if sweep else {}),
                 **({"drift": drift} if drift else {}),
+                **({"skipped_steps": self.spikes.skipped} if self.spikes is not None else {}),
                 **({"loops_sample": {"kind": tc.loops_sample, "per": tc.loops_sample_per,
                                      "range": list(budget_range(tc, cfg.model.loops))}}
                    if tc.samples_budgets else {}),

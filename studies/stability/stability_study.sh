@@ -50,6 +50,8 @@ SCREENS=(
   "curriculum:train.loops_start=4 train.loops_every=50 train.loops_increment=2"
   "jacobian:train.jacobian=0.1"
   "adam-b2:train.betas=[0.9,0.95]"
+  "skip-spikes:train.skip_spikes=100"
+  "skip-spikes-20:train.skip_spikes=20"
   "prefix-curriculum:train.loops_start=4 train.loops_every=50 train.loops_increment=2 train.curriculum_targets=prefix"
   "curriculum-stablemax:train.loops_start=4 train.loops_every=50 train.loops_increment=2 train.loss=stablemax"
   "lr-1e-3:train.lr=1e-3"
