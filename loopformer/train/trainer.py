@@ -54,7 +54,6 @@ from loopformer.train.compiling import compile_block, compile_scope, eager, unco
 from loopformer.train.config import RunConfig
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
 from loopformer.train.ema import EMA, ShardedEMA
-from loopformer.train.spikes import SpikeGuard
 from loopformer.train.losses import (
     at_read,
     elastic_losses,
@@ -81,6 +80,7 @@ from loopformer.train.sharding import (
     save_sharded,
     shard_model,
 )
+from loopformer.train.spikes import SpikeGuard
 
 
 # ------------------------------------------------------------------------------------------------- helpers
