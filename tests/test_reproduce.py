@@ -314,3 +314,73 @@ def test_dry_run_lists_compute_per_arm(tmp_path, capsys):
             "one loop") in out
     assert "claim proofs: theory check, no training" in out
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ the sign test and sequential seeds
+@pytest.mark.parametrize("k,n,expect", [
+    (3, 3, "reproduced"), (0, 3, "not reproduced"), (2, 3, "inconclusive"), (4, 4, "reproduced"),
+    (3, 4, "inconclusive"), (4, 5, "inconclusive"), (5, 6, "reproduced"), (6, 7, "reproduced"),
+    (5, 7, "inconclusive"), (1, 7, "not reproduced"), (1, 2, "inconclusive"), (2, 2, "reproduced"),
+])
+def test_the_sign_test_rule(k, n, expect):
+    """Reproduced when P(X >= k) <= 1/8 under Binomial(n, 1/2), written out: 5 of 6 is 7/64, 6 of 7 is 8/128."""
+    a = [1.0] * k + [0.0] * (n - k)
+    assert verdict(Rule(kind="paired", a="A", b="B"), a, [0.5] * n).verdict == expect
+
+
+def test_the_median_interval_is_the_sign_tests():
+    from loopformer.experiments.claims import median_interval
+    assert median_interval([0.3, 0.1]) is None
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)                  # 1 - 2/8
+    assert median_interval([7.0, 1, 2, 3, 4, 5, 6]) == (2, 6, 0.875)             # j = 2: 1 - 2 * 8/128
+    v = verdict(Rule(kind="paired", a="A", b="B"), [1, 2, 3, 4], [0, 0, 0, 0])
+    assert v.interval == (1, 4, 0.875) and "sign test: p = 0.0625" in v.reason
+
+
+def _fake_training(monkeypatch, outcome):
+    """Replace training by results.json files whose accuracy is outcome(arm folder name, seed)."""
+    import loopformer.experiments.reproduce as rep
+
+    def fake_run_specs(specs, *args, **kwargs):
+        for spec in specs:
+            if not (spec.out_dir / "results.json").is_file():
+                spec.out_dir.mkdir(parents=True, exist_ok=True)
+                seed = int(spec.name.rsplit("=", 1)[1])
+                res = {"test": {"accuracy": outcome(spec.name, seed)}, "higher_is_better": True,
+                       "total_loops": 1, "n_layers": 1, "params": 10}
+                (spec.out_dir / "results.json").write_text(json.dumps(res))
+    monkeypatch.setattr(rep, "run_specs", fake_run_specs)
+
+
+@pytest.mark.parametrize("pattern,max_seeds,verdict_,seeds,note", [
+    ("+-++++", 7, "reproduced", 6, "concluded after 6 seeds"),             # 2/3, 3/4, 4/5, then 5/6
+    ("+-+-+-+-", 7, "inconclusive", 7, "still inconclusive at the cap of 7 seeds"),
+    ("+++", 7, "reproduced", 3, "concluded with the first 3"),
+    ("+-+-", 4, "inconclusive", 4, "still inconclusive at the cap of 4 seeds"),
+])
+def test_inconclusive_claims_get_seeds_up_to_the_cap(tmp_path, monkeypatch, pattern, max_seeds, verdict_, seeds,
+                                                      note):
+    reg = _registry(tmp_path, "{kind: paired, a: two loops, b: one loop, margin: 0.0}")
+    reg.write_text(reg.read_text().replace("seeds: 2", "seeds: 3"))
+    _fake_training(monkeypatch, lambda name, s: (0.9 if pattern[s] == "+" else 0.1) if name.startswith("two")
+                   else 0.5)
+    out = tmp_path / "rep"
+    res = reproduce(["tiny"], registry=str(reg), out=out, jobs=1, progress=False, max_seeds=max_seeds)
+    j = res["judged"][0]
+    assert j["verdict"].verdict == verdict_ and len(j["verdict"].diffs) == seeds
+    assert note in j["sequential"]
+    assert sorted(p.name for p in (out / "runs" / "tiny").iterdir()) == sorted(
+        f"{arm}_seed={s}" for arm in ("one-loop", "two-loops") for s in range(seeds))
+    report = (out / "report.md").read_text()
+    assert note in report and "sign-test interval" in report
+    assert json.loads((out / "report.json").read_text())["claims"][0]["sequential"] == j["sequential"]
+
+
+def test_quick_adds_no_seeds_and_bad_caps_exit_2(tmp_path, monkeypatch, capsys):
+    reg = _registry(tmp_path, "{kind: paired, a: two loops, b: one loop, margin: 0.0}")
+    _fake_training(monkeypatch, lambda name, s: 0.5)              # every difference 0: not above the margin
+    res = reproduce(["tiny"], registry=str(reg), out=tmp_path / "q", jobs=1, progress=False, quick=True)
+    assert len(res["judged"][0]["verdict"].diffs) == 1 and "no seeds added" in res["judged"][0]["sequential"]
+    for bad in (["--max-seeds", "0"], ["--seeds", "5", "--max-seeds", "4"]):
+        assert main(["reproduce", "--registry", str(reg), "--out", str(tmp_path / "x"), *bad]) == 2
+        assert "--max-seeds must be" in capsys.readouterr().err

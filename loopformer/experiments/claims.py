@@ -10,16 +10,28 @@ share their runs (the group fixes the config and the common overrides). A theory
 
 Verdict rules (`verdict`):
     paired     arm a against arm b, seed by seed: d_s = a_s − b_s (b_s − a_s for a metric where lower is
-               better); the claim is "d > margin". reproduced: every seed's d exceeds the margin; not reproduced:
-               no seed's does; inconclusive: the seeds' spread covers the margin.
-    at_least   arm a's metric ≥ value: reproduced when every seed's is, not reproduced when none is,
-    at_most    ... ≤ value;                 inconclusive in between.
-With one seed (`--quick`) a verdict is one observation: the report says so. Beside the verdict, where the compared
-arms' FLOPs per answer (`loopformer.model.flops`) differ by more than 5 %, one phrase says so (`compute_note`).
+               better); the claim is "d > margin".
+    at_least   arm a's metric ≥ value,
+    at_most    ... ≤ value.
+Of n seeds, k meet the claim's condition. The verdict is a one-sided sign test at the level ALPHA = 1/8 (the level
+at which 3 of 3 seeds is significant): reproduced when P(X ≥ k) ≤ 1/8 for X ~ Binomial(n, 1/2), not reproduced
+when P(X ≤ k) ≤ 1/8, inconclusive otherwise. For 3 seeds that is "every seed" / "no seed"; with 7, 6 of 7 (or 1
+of 7) concludes. With fewer than 3 seeds no count is significant: every seed / no seed decides, and the report says
+the verdict is a screen (one seed under `--quick`: one observation). Beside the verdict, the sign test's interval
+for the median (`median_interval`): [d_(j), d_(n+1−j)] of the sorted values with the largest j whose coverage
+1 − 2·P(X ≤ j − 1) is at least 75 %.
+
+Sequential seeds (`loopformer reproduce --max-seeds`): a claim still inconclusive after its experiment's seeds
+gets one more seed at a time, up to the cap, and is judged on all of them; the report says where it stopped and
+why.
+
+Beside the verdict, where the compared arms' FLOPs per answer (`loopformer.model.flops`) differ by more than 5 %,
+one phrase says so (`compute_note`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +40,8 @@ from loopformer.configio import load_config, shipped_config
 from loopformer.errors import UserError
 
 RULES = ("paired", "at_least", "at_most")
+ALPHA = 1 / 8             # the sign test's level: 3 of 3 seeds (p = 1/8) is significant
+INTERVAL_COVERAGE = 0.75  # the sign-test interval for the median covers at least this
 KINDS = ("train", "theory")
 PREPARE_COMMANDS = (("text", "prepare"), ("data", "gen"))   # what an experiment's `prepare` step may run
 
@@ -191,6 +205,25 @@ class Verdict:
     low: float
     high: float
     reason: str
+    interval: tuple[float, float, float] | None = None   # (low, high, coverage): the median's sign-test interval
+
+
+def binom_tail(n: int, k: int) -> float:
+    """P(X ≥ k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(max(k, 0), n + 1)) / 2 ** n
+
+
+def median_interval(values: list[float]) -> tuple[float, float, float] | None:
+    """The sign test's distribution-free interval for the median: (d_(j), d_(n+1−j), coverage) with the largest j
+    whose coverage 1 − 2·P(X ≤ j − 1), X ~ Binomial(n, 1/2), is at least INTERVAL_COVERAGE; None below 3 values
+    (no j reaches it)."""
+    v, n = sorted(values), len(values)
+    best = None
+    for j in range(1, n // 2 + 1):
+        coverage = 1 - 2 * (1 - binom_tail(n, j))         # P(X ≤ j − 1) = 1 − P(X ≥ j)
+        if coverage >= INTERVAL_COVERAGE - 1e-12:
+            best = (v[j - 1], v[n - j], coverage)
+    return best
 
 
 def median_range(values: list[float]) -> tuple[float, float, float]:
@@ -220,15 +253,17 @@ def verdict(rule: Rule, a: list[float], b: list[float] | None = None, higher_is_
         what, cond = rule.a, (">= " if above else "<= ") + f"{rule.value:g}"
     ok = [(v > target) if rule.kind == "paired" else (v >= target if above else v <= target) for v in vals]
     med, lo, hi = median_range(vals)
-    n = len(vals)
-    if all(ok):
-        v = "reproduced"
-    elif not any(ok):
-        v = "not reproduced"
+    n, k = len(vals), sum(ok)
+    reason = f"{what} {cond} in {k} of {n} seed{'s' if n > 1 else ''}"
+    if n < 3:                            # no count is significant: every seed / no seed decides (a screen)
+        v = "reproduced" if k == n else "not reproduced" if k == 0 else "inconclusive"
+        if n == 2:
+            reason += " (fewer than 3 seeds: a screen, not a test)"
     else:
-        v = "inconclusive"
-    reason = f"{what} {cond} in {sum(ok)} of {n} seed{'s' if n > 1 else ''}"
-    return Verdict(v, vals, med, lo, hi, reason)
+        p_hi, p_lo = binom_tail(n, k), binom_tail(n, n - k)
+        v = "reproduced" if p_hi <= ALPHA else "not reproduced" if p_lo <= ALPHA else "inconclusive"
+        reason += f" (sign test: p = {min(p_hi, p_lo):.3g}; concludes at p ≤ 1/8)"
+    return Verdict(v, vals, med, lo, hi, reason, median_interval(vals))
 
 
 # ------------------------------------------------------------------ compute beside the verdict
@@ -255,4 +290,5 @@ def compute_note(flops: dict[str, int | None], tolerance: float = COMPUTE_TOLERA
 
 
 __all__ = ["Arm", "Experiment", "Rule", "Claim", "Registry", "Verdict", "load_registry", "select", "metric_value",
-           "verdict", "median_range", "compute_ratio", "compute_note", "COMPUTE_TOLERANCE", "RULES", "VERDICTS"]
+           "verdict", "median_range", "median_interval", "binom_tail", "ALPHA", "compute_ratio", "compute_note",
+           "COMPUTE_TOLERANCE", "RULES", "VERDICTS"]

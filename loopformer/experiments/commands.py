@@ -18,7 +18,7 @@ from loopformer.commandline import (
 from loopformer.errors import UserError
 from loopformer.experiments.demo import run_demo
 from loopformer.experiments.report import write_report
-from loopformer.experiments.reproduce import reproduce
+from loopformer.experiments.reproduce import DEFAULT_MAX_SEEDS, reproduce
 from loopformer.experiments.sweep import parse_grid, run_sweep
 
 
@@ -66,10 +66,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     ids = [i.strip() for part in args.claims or [] for i in part.split(",") if i.strip()] or None
     parts = ["loopformer reproduce"] + (["--claims", ",".join(ids)] if ids else []) + \
         (["--quick"] if args.quick else []) + ([f"--seeds {args.seeds}"] if args.seeds else []) + \
+        ([f"--max-seeds {args.max_seeds}"] if args.max_seeds != DEFAULT_MAX_SEEDS else []) + \
         ([f"--scale {args.scale}"] if args.scale != "cpu" else []) + [f"--out {args.out}"]
     res = reproduce(ids, quick=args.quick, seeds=args.seeds, jobs=args.jobs, threads=args.threads, out=args.out,
                     scale=args.scale, registry=args.registry, progress=not args.quiet, dry_run=args.dry_run,
-                    readme=args.readme, command=" ".join(parts), export_to=args.export)
+                    readme=args.readme, command=" ".join(parts), export_to=args.export, max_seeds=args.max_seeds)
     if res["ran"]:
         for j in res["judged"]:
             print(f"{j['claim'].id:<22} {j['verdict'].verdict:<15} {j['verdict'].reason}")
@@ -120,6 +121,9 @@ def register(subparsers) -> None:
     p.add_argument("--claims", action="append", metavar="ID[,ID]", help="only these claims (default: all)")
     p.add_argument("--quick", action="store_true", help="one seed, the claims marked quick (about 30 min on 2 cores)")
     p.add_argument("--seeds", type=int, help="model seeds per arm (default: each experiment's, 3)")
+    p.add_argument("--max-seeds", type=int, default=DEFAULT_MAX_SEEDS,
+                   help="a claim still inconclusive gets one more seed at a time up to this many (default "
+                        f"{DEFAULT_MAX_SEEDS}; the sign test concludes on 6 of 7)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel processes (default 2)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per run (default 1)")
     p.add_argument("--out", default="reproduce", metavar="DIR", help="runs, report.md, report.json and plots")

@@ -58,6 +58,7 @@ SECONDS_PER_UNIT = 1.2e-10   # one thread of a 2-core machine: a demo run (LCS-6
 GPU_UNITS_PER_S = 1.0e14     # assumed sustained rate on one modern GPU (bf16), for --scale paper estimates
 THEORY_S = 60.0
 MAX_SEEDS = 100              # the most model seeds per arm `--seeds` takes
+DEFAULT_MAX_SEEDS = 7        # the sequential rule's cap (`--max-seeds`)
 EXPORTED = ("report.md", "report.json", "*.png", "runs")   # what `export` writes into its folder
 README_BEGIN, README_END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
 
@@ -87,16 +88,16 @@ def _expand(items: list[str], data: Path) -> list[str]:
 
 
 def plan(claims: list[Claim], out: Path, scale: str = "cpu", quick: bool = False,
-         seeds: int | None = None) -> list[PlannedRun]:
+         seeds: int | None = None, extra: dict[str, int] | None = None) -> list[PlannedRun]:
     """The training runs the claims need — the arms each claim's rule compares, for each seed (theory claims need
-    none) — each once."""
+    none) — each once. `extra`: {claim id: seeds added by the sequential rule}."""
     runs: dict[Path, PlannedRun] = {}
     data = out / "data"
     for c in claims:
         exp = experiment_of(c, scale)
         if c.kind != "train" or exp is None:
             continue
-        n = 1 if quick else (seeds or exp.seeds)
+        n = 1 if quick else (seeds or exp.seeds) + (extra or {}).get(c.id, 0)
         folder = out / "runs" / (exp.group + ("-quick" if quick and exp.quick else ""))   # same settings: shared
         used = {c.rule.a, c.rule.b} if c.rule.kind == "paired" else {c.rule.a}
         for arm in (a for a in exp.arms if a.name in used):      # the arms its rule compares
@@ -339,6 +340,14 @@ def claim_section(j: dict, scale: str) -> str:
     out.append(f"- Verdict: **{v.verdict}** — {v.reason}" + (" (one seed: a single observation)"
                                                              if len(v.diffs) == 1 and c.kind == "train" else "")
                + (f"; {j['compute_note']}" if j.get("compute_note") else ""))
+    if v.interval is not None:
+        lo, hi, cover = v.interval
+        what = _diff_label(j) if c.rule.kind == "paired" else c.rule.a
+        out.append(f"- Interval: the median of {what} lies in [{_fmt(lo, c, c.rule.kind == 'paired')}, "
+                   f"{_fmt(hi, c, c.rule.kind == 'paired')}] with {cover:.1%} confidence (sign-test interval, "
+                   "distribution-free)")
+    if j.get("sequential"):
+        out.append(f"- Seeds: {j['sequential']}")
     lengths = sorted({a["seq_len"] for a in j["arms"] if a.get("seq_len")})
     if lengths:
         out.append(f"- Compute per answer: one forward pass over one sequence of T = {' / '.join(map(str, lengths))} "
@@ -406,6 +415,7 @@ def write_reproduce_report(judged: list[dict], out: Path, command: str, scale: s
         "claims": [{"id": j["claim"].id, "statement": j["claim"].statement, "source": j["claim"].source,
                     "figure": j["claim"].figure, "paper": j["claim"].paper, "metric": j["claim"].metric,
                     "verdict": j["verdict"].verdict, "reason": j["verdict"].reason,
+                    "interval": j["verdict"].interval, "sequential": j.get("sequential"),
                     "values": j["verdict"].diffs, "median": j["verdict"].median,
                     "compute_note": j.get("compute_note"),
                     "arms": [{k: a.get(k) for k in ("name", "seeds", "values", "params", "loops", "flops", "seq_len",
@@ -442,18 +452,80 @@ def export(out: Path, dest: Path) -> Path:
     return dest
 
 
+# ------------------------------------------------------------------ the sequential rule
+def sequential(claims: list[Claim], runs: list[PlannedRun], out: Path, key: str, theory: dict | None, *,
+               quick: bool, seeds: int | None, max_seeds: int, jobs: int, threads: int,
+               progress: bool) -> list[dict]:
+    """Run the planned runs and judge every claim; while a training claim is inconclusive and has fewer than
+    `max_seeds` seeds, plan one more seed of its arms, run it and judge it again on all of its seeds. Each judged
+    claim records how its seeds were chosen (`sequential`). Under `quick` (one seed) nothing is added."""
+    extra: dict[str, int] = {}
+    while True:
+        if runs:
+            run_specs([r.spec for r in runs], None, [], jobs=jobs, threads=threads, progress=progress,
+                      desc="reproduce", out=out)
+        judged = [judge(c, runs, out, key, theory) for c in claims]
+        more = [] if quick else [j for j in judged if _wants_seed(j, key, seeds, extra, max_seeds)]
+        if not more:
+            break
+        for j in more:
+            extra[j["claim"].id] = extra.get(j["claim"].id, 0) + 1
+            if progress:
+                n = len(j["verdict"].diffs)
+                print(f"reproduce: {j['claim'].id} is inconclusive after {n} seeds: adding seed {n}", file=sys.stderr)
+        runs = plan(claims, out, key, quick, seeds, extra)
+    for j in judged:
+        j["sequential"] = _seeds_note(j, key, seeds, extra, max_seeds, quick)
+    return judged
+
+
+def _start_seeds(claim: Claim, key: str, seeds: int | None) -> int:
+    exp = experiment_of(claim, key)
+    return seeds or (exp.seeds if exp is not None else 1)
+
+
+def _wants_seed(j: dict, key: str, seeds: int | None, extra: dict[str, int], max_seeds: int) -> bool:
+    """Whether a judged claim gets one more seed: a training claim, inconclusive, below the cap, and judged on
+    every seed planned so far (a claim whose runs did not all finish is not extended)."""
+    c = j["claim"]
+    if c.kind != "train" or j["verdict"].verdict != "inconclusive":
+        return False
+    planned = _start_seeds(c, key, seeds) + extra.get(c.id, 0)
+    return planned < max_seeds and len(j["verdict"].diffs) == planned
+
+
+def _seeds_note(j: dict, key: str, seeds: int | None, extra: dict[str, int], max_seeds: int, quick: bool) -> str | None:
+    """How a training claim's seeds were chosen, for the report."""
+    c = j["claim"]
+    if c.kind != "train":
+        return None
+    start, n = _start_seeds(c, key, seeds), len(j["verdict"].diffs)
+    if quick:
+        return "one seed (--quick): no seeds added"
+    rule = f"sequential: {start} seeds, one more at a time while inconclusive, at most {max_seeds}"
+    if j["verdict"].verdict == "inconclusive" and n >= max_seeds:
+        return f"{rule}; still inconclusive at the cap of {max_seeds} seeds"
+    if extra.get(c.id):
+        return f"{rule}; concluded after {n} seeds"
+    return f"{rule}; concluded with the first {n}" if j["verdict"].verdict != "inconclusive" else \
+        f"{rule}; {n} seeds judged"
+
+
 # ------------------------------------------------------------------ the command
 def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds: int | None = None,
               jobs: int = 2, threads: int = 1, out: str | os.PathLike = "reproduce", scale: str = "cpu",
               registry: str | None = None, progress: bool = True, dry_run: bool = False,
               readme: str | None = None, command: str = "loopformer reproduce",
-              export_to: str | None = None) -> dict[str, Any]:
-    """Plan, estimate, run what is missing, judge and report (see the module docstring). Returns {"judged",
-    "files", "estimate", "ran"}; with `dry_run` (or --scale paper without CUDA) only the plan and estimate."""
+              export_to: str | None = None, max_seeds: int = DEFAULT_MAX_SEEDS) -> dict[str, Any]:
+    """Plan, estimate, run what is missing, judge and report (see the module docstring); a claim still
+    inconclusive gets one more seed at a time up to `max_seeds` (`sequential`). Returns {"judged", "files",
+    "estimate", "ran"}; with `dry_run` (or --scale paper without CUDA) only the plan and estimate."""
     if scale not in ("cpu", "paper"):
         raise UserError(f"--scale must be cpu or paper (got {scale!r})")
     if seeds is not None and not 1 <= seeds <= MAX_SEEDS:
         raise UserError(f"--seeds must be in 1..{MAX_SEEDS} (got {seeds})")
+    if not 1 <= max_seeds <= MAX_SEEDS or (seeds is not None and max_seeds < seeds):
+        raise UserError(f"--max-seeds must be in 1..{MAX_SEEDS} and at least --seeds (got {max_seeds})")
     if export_to:    # before any run: the export folder must be new, empty or an earlier export
         check_owned_folder(export_to, EXPORTED, "report.json", "reproduce --export")
     if jobs < 1 or threads < 0:
@@ -489,10 +561,8 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
             print(f"  {plan_compute_line(c, runs)}")
         return {"judged": [], "files": {}, "estimate": est, "ran": False}
     theory = run_theory(out, progress) if any(c.kind == "theory" for c in claims) else None
-    if runs:
-        run_specs([r.spec for r in runs], None, [], jobs=jobs, threads=threads, progress=progress,
-                  desc="reproduce", out=out)
-    judged = [judge(c, runs, out, key, theory) for c in claims]
+    judged = sequential(claims, runs, out, key, theory, quick=quick, seeds=seeds, max_seeds=max_seeds,
+                        jobs=jobs, threads=threads, progress=progress)
     files = write_reproduce_report(judged, out, command, scale, quick)
     if export_to:
         files["export"] = export(out, Path(export_to))
