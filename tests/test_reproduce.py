@@ -384,3 +384,43 @@ def test_quick_adds_no_seeds_and_bad_caps_exit_2(tmp_path, monkeypatch, capsys):
     for bad in (["--max-seeds", "0"], ["--seeds", "5", "--max-seeds", "4"]):
         assert main(["reproduce", "--registry", str(reg), "--out", str(tmp_path / "x"), *bad]) == 2
         assert "--max-seeds must be" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the iso-depth rule
+def test_iso_depth_shares_by_hand():
+    rule = Rule(kind="iso_depth", a="looped", b="unique", c="one", value=0.5)
+    a, b, c = [0.80, 0.60, 0.70, 0.50], [0.90, 0.90, 0.70, 0.90], [0.50, 0.50, 0.70, 0.10]
+    v = verdict(rule, a, b, True, c)
+    assert v.diffs == pytest.approx([0.75, 0.25, 0.5])        # (a - c) / (b - c); seed 2 ties: left out
+    assert v.verdict == "inconclusive" and "1 seed without φ" in v.reason and "in 1 of 3" in v.reason
+    lower = verdict(rule, [1 - x for x in a], [1 - x for x in b], False, [1 - x for x in c])
+    assert lower.diffs == pytest.approx(v.diffs)               # lower is better: the same shares
+    assert verdict(rule, [0.9] * 3, [0.8] * 3, True, [0.5] * 3).verdict == "reproduced"   # φ = 4/3
+    assert verdict(rule, [0.9], [0.5], True, [0.5]).verdict == "not run"
+
+
+def test_an_iso_depth_claim_is_judged_and_reported(tmp_path, monkeypatch):
+    reg = _registry(tmp_path, "{kind: iso_depth, a: two loops, b: two layers, c: one loop, value: 0.5}")
+    text = reg.read_text().replace("        - {name: two loops, overrides: [model.loops=2]}\n",
+                                   "        - {name: two loops, overrides: [model.loops=2]}\n"
+                                   "        - {name: two layers, overrides: [model.n_layers=2, model.loops=1]}\n")
+    reg.write_text(text.replace("seeds: 2", "seeds: 3"))
+    values = {"one-loop": 0.5, "two-loops": 0.8, "two-layers": 0.9}
+    _fake_training(monkeypatch, lambda name, s: values[name.split("_")[0]] - 0.01 * s)
+    out = tmp_path / "rep"
+    res = reproduce(["tiny"], registry=str(reg), out=out, jobs=1, progress=False)
+    j = res["judged"][0]
+    assert j["verdict"].verdict == "reproduced" and j["verdict"].diffs == pytest.approx([0.75] * 3)
+    assert {a["name"] for a in j["arms"]} == {"one loop", "two loops", "two layers"}
+    report = (out / "report.md").read_text()
+    assert "φ = (two loops − one loop) / (two layers − one loop): 0.75" in report
+    assert "Shares (φ" in report
+
+
+def test_the_shipped_iso_depth_claims_plan_their_three_arms(tmp_path):
+    claims = select(load_registry(), ["iso-depth-lcs", "iso-depth-pointer"])
+    runs = plan(claims, tmp_path)
+    assert sorted({(r.group, r.arm) for r in runs}) == sorted(
+        {("lcs-demo", a) for a in ("looped many", "unique 8", "one layer")}
+        | {("pointer-iso", a) for a in ("looped r=8", "unique 8", "one layer")})
+    assert len(runs) == 18

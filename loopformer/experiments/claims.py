@@ -13,6 +13,11 @@ Verdict rules (`verdict`):
                better); the claim is "d > margin".
     at_least   arm a's metric ≥ value,
     at_most    ... ≤ value.
+    iso_depth  at matched depth k·L, arm a (k layers looped L times) against arm b (k·L unique layers) and arm c
+               (k layers once): per seed φ_s = (a_s − c_s) / (b_s − c_s), the share of the gain of unique depth
+               that looping recovers; the claim is "φ > value". Read as an exponent, φ is the recurrence-equivalence
+               exponent of iso-depth scaling: with the metric linear in log depth between k and k·L, the looped
+               model matches k·L^φ unique layers. A seed where b and c tie has no φ (left out, and said).
 Of n seeds, k meet the claim's condition. The verdict is a one-sided sign test at the level ALPHA = 1/8 (the level
 at which 3 of 3 seeds is significant): reproduced when P(X ≥ k) ≤ 1/8 for X ~ Binomial(n, 1/2), not reproduced
 when P(X ≤ k) ≤ 1/8, inconclusive otherwise. For 3 seeds that is "every seed" / "no seed"; with 7, 6 of 7 (or 1
@@ -39,7 +44,7 @@ from typing import Any
 from loopformer.configio import load_config, shipped_config
 from loopformer.errors import UserError
 
-RULES = ("paired", "at_least", "at_most")
+RULES = ("paired", "at_least", "at_most", "iso_depth")
 ALPHA = 1 / 8             # the sign test's level: 3 of 3 seeds (p = 1/8) is significant
 INTERVAL_COVERAGE = 0.75  # the sign-test interval for the median covers at least this
 KINDS = ("train", "theory")
@@ -93,9 +98,14 @@ class Experiment:
 class Rule:
     kind: str = "paired"              # paired | at_least | at_most
     a: str = ""                       # the arm the claim is about
-    b: str = ""                       # paired: the arm it is compared with
+    b: str = ""                       # paired: the arm it is compared with; iso_depth: k·L unique layers
+    c: str = ""                       # iso_depth: k layers once
     margin: float = 0.0               # paired: a − b must exceed this (metric units; sign-corrected for ↓ metrics)
-    value: float = 0.0                # at_least / at_most: the threshold
+    value: float = 0.0                # at_least / at_most / iso_depth: the threshold
+
+    def arms(self) -> tuple[str, ...]:
+        """The arms the rule compares."""
+        return {"paired": (self.a, self.b), "iso_depth": (self.a, self.b, self.c)}.get(self.kind, (self.a,))
 
 
 @dataclass
@@ -130,7 +140,7 @@ class Claim:
                     check_name("arm", name)
                 if len(set(names)) != len(names):
                     raise ValueError(f"claim {self.id}: two arms share a name")
-                for need in (self.rule.a, self.rule.b) if self.rule.kind == "paired" else (self.rule.a,):
+                for need in self.rule.arms():
                     if need not in names:
                         raise ValueError(f"claim {self.id}: rule names arm {need!r}, not one of {names}")
                 if not exp.group or not exp.config or exp.seeds < 1:
@@ -233,16 +243,37 @@ def median_range(values: list[float]) -> tuple[float, float, float]:
 def diff_label(rule: Rule, higher_is_better: bool, metric: str = "") -> str:
     """What a paired rule's differences measure: a − b, or b − a where lower is better (the sign that makes a
     positive difference the claim's direction)."""
+    if rule.kind == "iso_depth":
+        return f"φ = ({rule.a} − {rule.c}) / ({rule.b} − {rule.c})"
     if higher_is_better:
         return f"{rule.a} − {rule.b}"
     return f"{rule.b} − {rule.a} ({metric + ': ' if metric else ''}lower is better)"
 
 
-def verdict(rule: Rule, a: list[float], b: list[float] | None = None, higher_is_better: bool = True) -> Verdict:
-    """Apply `rule` to arm a's per-seed values (and arm b's, paired by seed) — see the module docstring."""
-    if not a or (rule.kind == "paired" and (b is None or len(b) != len(a))):
+def iso_depth_shares(a: list[float], b: list[float], c: list[float]) -> list[float | None]:
+    """φ_s = (a_s − c_s) / (b_s − c_s) per seed (None where b_s and c_s tie: unique depth gained nothing); the same
+    for a lower-is-better metric (both differences change sign)."""
+    return [None if abs(y - z) < 1e-12 else (x - z) / (y - z) for x, y, z in zip(a, b, c)]
+
+
+def verdict(rule: Rule, a: list[float], b: list[float] | None = None, higher_is_better: bool = True,
+            c: list[float] | None = None) -> Verdict:
+    """Apply `rule` to arm a's per-seed values (and arm b's — and c's for iso_depth —, paired by seed) — see the
+    module docstring."""
+    if not a or (rule.kind in ("paired", "iso_depth") and (b is None or len(b) != len(a))) or \
+            (rule.kind == "iso_depth" and (c is None or len(c) != len(a))):
         return Verdict("not run", [], float("nan"), float("nan"), float("nan"), "no finished runs")
-    if rule.kind == "paired":
+    tied = 0
+    if rule.kind == "iso_depth":
+        shares = iso_depth_shares(a, b, c)
+        tied = sum(x is None for x in shares)
+        vals = [x for x in shares if x is not None]
+        if not vals:
+            return Verdict("not run", [], float("nan"), float("nan"), float("nan"),
+                           f"no φ: {rule.b} and {rule.c} tie in every seed")
+        target, above = rule.value, True
+        what, cond = diff_label(rule, higher_is_better), f"> {rule.value:g}"
+    elif rule.kind == "paired":
         sign = 1.0 if higher_is_better else -1.0
         vals = [sign * (x - y) for x, y in zip(a, b)]
         target, above = rule.margin, True
@@ -251,10 +282,12 @@ def verdict(rule: Rule, a: list[float], b: list[float] | None = None, higher_is_
     else:
         vals, target, above = list(a), rule.value, rule.kind == "at_least"
         what, cond = rule.a, (">= " if above else "<= ") + f"{rule.value:g}"
-    ok = [(v > target) if rule.kind == "paired" else (v >= target if above else v <= target) for v in vals]
+    strict = rule.kind in ("paired", "iso_depth")
+    ok = [(v > target) if strict else (v >= target if above else v <= target) for v in vals]
     med, lo, hi = median_range(vals)
     n, k = len(vals), sum(ok)
-    reason = f"{what} {cond} in {k} of {n} seed{'s' if n > 1 else ''}"
+    reason = f"{what} {cond} in {k} of {n} seed{'s' if n > 1 else ''}" + \
+        (f" ({tied} seed{'s' if tied > 1 else ''} without φ: {rule.b} and {rule.c} tie)" if tied else "")
     if n < 3:                            # no count is significant: every seed / no seed decides (a screen)
         v = "reproduced" if k == n else "not reproduced" if k == 0 else "inconclusive"
         if n == 2:
@@ -290,5 +323,5 @@ def compute_note(flops: dict[str, int | None], tolerance: float = COMPUTE_TOLERA
 
 
 __all__ = ["Arm", "Experiment", "Rule", "Claim", "Registry", "Verdict", "load_registry", "select", "metric_value",
-           "verdict", "median_range", "median_interval", "binom_tail", "ALPHA", "compute_ratio", "compute_note",
-           "COMPUTE_TOLERANCE", "RULES", "VERDICTS"]
+           "verdict", "iso_depth_shares", "median_range", "median_interval", "binom_tail", "ALPHA", "compute_ratio",
+           "compute_note", "COMPUTE_TOLERANCE", "RULES", "VERDICTS"]

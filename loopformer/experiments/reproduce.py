@@ -99,7 +99,7 @@ def plan(claims: list[Claim], out: Path, scale: str = "cpu", quick: bool = False
             continue
         n = 1 if quick else (seeds or exp.seeds) + (extra or {}).get(c.id, 0)
         folder = out / "runs" / (exp.group + ("-quick" if quick and exp.quick else ""))   # same settings: shared
-        used = {c.rule.a, c.rule.b} if c.rule.kind == "paired" else {c.rule.a}
+        used = set(c.rule.arms())
         for arm in (a for a in exp.arms if a.name in used):      # the arms its rule compares
             for s in range(n):
                 name = f"{_slug(arm.name)}_seed={s}"
@@ -236,13 +236,22 @@ def _fmt(v: float, claim: Claim, signed: bool = False) -> str:
     return f"{x:+.3g}" if signed else f"{x:.3g}"
 
 
-def _mr(vals: list[float], claim: Claim, signed: bool = False) -> str:
+def _fmt_judged(v: float, claim: Claim) -> str:
+    """A judged value: a paired difference (signed, in the metric's units), an iso-depth share φ (unitless) or an
+    arm's value."""
+    if claim.rule.kind == "iso_depth":
+        return "—" if v is None or math.isnan(v) else f"{v:.2f}"
+    return _fmt(v, claim, signed=claim.rule.kind == "paired")
+
+
+def _mr(vals: list[float], claim: Claim, signed: bool = False, judged: bool = False) -> str:
     if not vals:
         return "—"
+    f = (lambda x: _fmt_judged(x, claim)) if judged else (lambda x: _fmt(x, claim, signed))
     med, lo, hi = median_range(vals)
     if len(vals) == 1:
-        return _fmt(med, claim, signed)
-    return f"{_fmt(med, claim, signed)} [{_fmt(lo, claim, signed)} – {_fmt(hi, claim, signed)}]"
+        return f(med)
+    return f"{f(med)} [{f(lo)} – {f(hi)}]"
 
 
 def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: dict | None) -> dict[str, Any]:
@@ -274,12 +283,11 @@ def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: d
                      "runs": [str(p.relative_to(out)) for *_, p in rows]})
     by = {a["name"]: a for a in arms}
     a = by[claim.rule.a]
-    if claim.rule.kind == "paired":
-        b = by[claim.rule.b]
-        common = sorted(set(a["seeds"]) & set(b["seeds"]))
-        va = [a["values"][a["seeds"].index(s)] for s in common]
-        vb = [b["values"][b["seeds"].index(s)] for s in common]
-        v = verdict(claim.rule, va, vb, hib)
+    if claim.rule.kind in ("paired", "iso_depth"):
+        compared = [by[name] for name in claim.rule.arms()]
+        common = sorted(set.intersection(*(set(x["seeds"]) for x in compared)))
+        vs = [[x["values"][x["seeds"].index(s)] for s in common] for x in compared]
+        v = verdict(claim.rule, vs[0], vs[1], hib, vs[2] if len(vs) > 2 else None)
     else:
         v = verdict(claim.rule, a["values"])
     note = compute_note({x["name"]: x["flops"] for x in arms})
@@ -294,6 +302,8 @@ def _ours(j: dict) -> str:
     c, v = j["claim"], j["verdict"]
     if not v.diffs:
         return "—"
+    if c.rule.kind == "iso_depth":
+        return f"{_diff_label(j)}: {_mr(v.diffs, c, judged=True)}"
     if c.rule.kind == "paired":
         unit = " points" if c.unit == "%" else ""
         return f"{_diff_label(j)}: {_mr(v.diffs, c, signed=True)}{unit}"
@@ -336,16 +346,17 @@ def claim_section(j: dict, scale: str) -> str:
         out.append(f"- Experiment: `loopformer theory verify`; metric `{c.metric}`")
     rule = c.rule
     out.append(f"- Rule: {rule.kind}" + (f" ({rule.a} − {rule.b} > {rule.margin:g}, paired by seed)"
-                                          if rule.kind == "paired" else f" ({rule.a}, threshold {rule.value:g})"))
+                                          if rule.kind == "paired" else
+                                          f" ({diff_label(rule, True)} > {rule.value:g}, per seed)"
+                                          if rule.kind == "iso_depth" else f" ({rule.a}, threshold {rule.value:g})"))
     out.append(f"- Verdict: **{v.verdict}** — {v.reason}" + (" (one seed: a single observation)"
                                                              if len(v.diffs) == 1 and c.kind == "train" else "")
                + (f"; {j['compute_note']}" if j.get("compute_note") else ""))
     if v.interval is not None:
         lo, hi, cover = v.interval
-        what = _diff_label(j) if c.rule.kind == "paired" else c.rule.a
-        out.append(f"- Interval: the median of {what} lies in [{_fmt(lo, c, c.rule.kind == 'paired')}, "
-                   f"{_fmt(hi, c, c.rule.kind == 'paired')}] with {cover:.1%} confidence (sign-test interval, "
-                   "distribution-free)")
+        what = _diff_label(j) if c.rule.kind in ("paired", "iso_depth") else c.rule.a
+        out.append(f"- Interval: the median of {what} lies in [{_fmt_judged(lo, c)}, {_fmt_judged(hi, c)}] with "
+                   f"{cover:.1%} confidence (sign-test interval, distribution-free)")
     if j.get("sequential"):
         out.append(f"- Seeds: {j['sequential']}")
     lengths = sorted({a["seq_len"] for a in j["arms"] if a.get("seq_len")})
@@ -361,9 +372,10 @@ def claim_section(j: dict, scale: str) -> str:
                  "—" if a.get("flops") is None else format_flops(a["flops"]), _mr(a["values"], c), per,
                  ", ".join(a["runs"]) or "—"]
         out.append("| " + " | ".join(cells) + " |")
-    if c.rule.kind == "paired" and v.diffs:
-        out += ["", f"Paired differences ({_diff_label(j)}, per seed): "
-                + " / ".join(_fmt(d, c, signed=True) for d in v.diffs)]
+    if c.rule.kind in ("paired", "iso_depth") and v.diffs:
+        what = "Shares" if c.rule.kind == "iso_depth" else "Paired differences"
+        out += ["", f"{what} ({_diff_label(j)}, per seed): "
+                + " / ".join(_fmt_judged(d, c) for d in v.diffs)]
     if j.get("theory") and j["theory"].get("failed"):
         out += ["", "Constructions not as expected: " + "; ".join(j["theory"]["failed"])]
     if j.get("plot"):
