@@ -424,3 +424,70 @@ def test_the_shipped_iso_depth_claims_plan_their_three_arms(tmp_path):
         {("lcs-demo", a) for a in ("looped many", "unique 8", "one layer")}
         | {("pointer-iso", a) for a in ("looped r=8", "unique 8", "one layer")})
     assert len(runs) == 18
+
+
+# ------------------------------------------------------------------ the analysis step
+ANALYSIS = ('    analysis: {command: [analyze, continuity, "{run}", --data, "{data}/c", --out, "{out}"]}\n'
+            '    higher_is_better: false\n')
+
+
+def _analysis_registry(tmp_path: Path, analysis: str = ANALYSIS, metric: str = "analysis.models.*.coefficient"):
+    reg = _registry(tmp_path, "{kind: paired, a: two loops, b: one loop, margin: 0.0}")
+    text = reg.read_text().replace("    rule: {kind: paired", f"    metric: {metric}\n{analysis}    rule: {{kind: paired",
+                                   1).replace("seeds: 2", "seeds: 3")
+    reg.write_text(text)
+    return reg
+
+
+@pytest.mark.parametrize("analysis,metric,match", [
+    (ANALYSIS.replace("analyze, continuity", "analyze, everything"), "analysis.x", "'analyze everything' is not an "
+                                                                               "analysis"),
+    (ANALYSIS.replace('--out, "{out}"', "--out, /tmp/x"), "analysis.x", "must write with --out {out}"),
+    (ANALYSIS.replace('"{run}", ', ""), "analysis.x", "must name the run as {run}"),
+    (ANALYSIS, "test.accuracy", "with an analysis step the metric is analysis."),
+    ("", "analysis.x", "reads an analysis, but the claim has none"),
+])
+def test_a_malformed_analysis_step_is_one_line(tmp_path, capsys, analysis, metric, match):
+    reg = _analysis_registry(tmp_path, analysis, metric)
+    rc = main(["reproduce", "--registry", str(reg), "--out", str(tmp_path / "o"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and match in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_analysis_step_is_run_once_per_run_and_judged(tmp_path, monkeypatch):
+    """Each finished run of the claim's arms gets its analysis once (filled-in command, output in RUN/analysis/NAME),
+    the claim is judged on the output's metric with the claim's direction (lower is better here), and the export
+    carries the outputs."""
+    import subprocess as sp
+
+    import loopformer.experiments.reproduce as rep
+
+    reg = _analysis_registry(tmp_path)
+    _fake_training(monkeypatch, lambda name, s: 0.5)
+    calls, real_run = [], sp.run
+
+    def fake_run(cmd, **kw):
+        if cmd[1:3] != ["-m", "loopformer.cli"]:                   # git and the rest: as they are
+            return real_run(cmd, **kw)
+        args = cmd[3:]
+        calls.append(args)
+        run = Path(args[2])
+        out = Path(args[args.index("--out") + 1])
+        assert out == run / "analysis" / "continuity" and args[args.index("--data") + 1] == str(tmp_path / "o" /
+                                                                                                "data" / "c")
+        coefficient = (2.0 if run.name.startswith("one") else 1.0) + 0.1 * int(run.name[-1])   # looped: higher
+        out.mkdir(parents=True)
+        (out / "continuity.json").write_text(json.dumps({"models": {run.name: {"coefficient": coefficient}}}))
+        return sp.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(rep.subprocess, "run", fake_run)
+    res = reproduce(["tiny"], registry=str(reg), out=tmp_path / "o", jobs=1, progress=False,
+                    export_to=str(tmp_path / "exp"))
+    j = res["judged"][0]
+    assert len(calls) == 6 and all(c[:2] == ["analyze", "continuity"] for c in calls)
+    assert j["verdict"].verdict == "reproduced" and j["verdict"].diffs == pytest.approx([1.0] * 3)   # b − a
+    assert not j["higher_is_better"]
+    assert (tmp_path / "exp" / "runs" / "tiny" / "two-loops_seed=0" / "analysis" / "continuity" /
+            "continuity.json").is_file()
+    reproduce(["tiny"], registry=str(reg), out=tmp_path / "o", jobs=1, progress=False)
+    assert len(calls) == 6                                           # outputs there: nothing measured again

@@ -30,6 +30,12 @@ Sequential seeds (`loopformer reproduce --max-seeds`): a claim still inconclusiv
 gets one more seed at a time, up to the cap, and is judged on all of them; the report says where it stopped and
 why.
 
+An analysis step (`analysis`): a claim may name a measurement run on each of its arms' finished runs — a
+`loopformer` command of ANALYSES (e.g. `analyze continuity {run} --data ... --out {out}`), run once per run into
+RUN/analysis/<name>/ — and judge its JSON output: the claim's metric is then `analysis.<path>` into that file
+(`*` takes the only entry of a mapping, e.g. `analysis.models.*.relative_coefficient`), with the metric's direction
+given by the claim (`higher_is_better`).
+
 Beside the verdict, where the compared arms' FLOPs per answer (`loopformer.model.flops`) differ by more than 5 %,
 one phrase says so (`compute_note`).
 """
@@ -48,6 +54,8 @@ RULES = ("paired", "at_least", "at_most", "iso_depth")
 ALPHA = 1 / 8             # the sign test's level: 3 of 3 seeds (p = 1/8) is significant
 INTERVAL_COVERAGE = 0.75  # the sign-test interval for the median covers at least this
 KINDS = ("train", "theory")
+# the measurements an analysis step may run: the command's first words → the JSON file it writes into --out
+ANALYSES = {("analyze", "continuity"): "continuity.json", ("analyze", "dynamics"): "dynamics.json"}
 PREPARE_COMMANDS = (("text", "prepare"), ("data", "gen"))   # what an experiment's `prepare` step may run
 
 
@@ -109,6 +117,31 @@ class Rule:
 
 
 @dataclass
+class Analysis:
+    """A measurement on each finished run of a claim's arms (see the module docstring)."""
+    name: str = ""                    # RUN/analysis/<name>/ (default: the command's second word)
+    command: list[str] = field(default_factory=list)   # ANALYSES command with {run}, {out} (and {data})
+
+    def output(self) -> str:
+        """The JSON file the command writes into its --out folder."""
+        return ANALYSES[tuple(self.command[:2])]
+
+    def check(self, claim: str) -> None:
+        where = f"claim {claim}: analysis"
+        if tuple(self.command[:2]) not in ANALYSES:
+            known = ", ".join(" ".join(k) for k in ANALYSES)
+            raise ValueError(f"{where} {' '.join(self.command[:2])!r} is not an analysis (choose from {known})")
+        if "{run}" not in self.command:
+            raise ValueError(f"{where} must name the run as {{run}}")
+        outs = [self.command[i + 1] for i, a in enumerate(self.command[:-1]) if a == "--out"]
+        if outs != ["{out}"]:
+            raise ValueError(f"{where} must write with --out {{out}} (the run's analysis folder)")
+        if not self.name:
+            self.name = self.command[1]
+        check_name("analysis", self.name)
+
+
+@dataclass
 class Claim:
     id: str = ""
     statement: str = ""
@@ -124,6 +157,8 @@ class Claim:
     gpu: Experiment | None = None  # --scale paper: the paper-scale configs
     rule: Rule = field(default_factory=Rule)
     docs: str = ""                    # the page that discusses it
+    analysis: Analysis | None = None  # a measurement on each run, judged instead of results.json
+    higher_is_better: bool | None = None   # the metric's direction (None: the runs' results.json says)
 
     def __post_init__(self) -> None:
         check_name("claim id", self.id)
@@ -131,6 +166,15 @@ class Claim:
             raise ValueError(f"claim {self.id}: kind must be one of {KINDS}")
         if self.rule.kind not in RULES:
             raise ValueError(f"claim {self.id}: rule.kind must be one of {RULES}")
+        if self.analysis is not None:
+            if self.kind != "train":
+                raise ValueError(f"claim {self.id}: an analysis step needs training runs (kind: train)")
+            self.analysis.check(self.id)
+            if not self.metric.startswith("analysis."):
+                raise ValueError(f"claim {self.id}: with an analysis step the metric is analysis.<path into "
+                                 f"{self.analysis.output()}>")
+        elif self.metric.startswith("analysis."):
+            raise ValueError(f"claim {self.id}: metric {self.metric!r} reads an analysis, but the claim has none")
         if self.kind == "train":
             for exp in (self.cpu, self.gpu):
                 if exp is None:
@@ -199,11 +243,17 @@ def metric_value(results: dict[str, Any], path: str) -> float:
         return float(rule["loops_saved"]) if gap >= -0.005 else 0.0
     node: Any = results
     for part in path.split("."):
+        if part == "*" and isinstance(node, dict) and len(node) == 1:    # the only entry of a mapping
+            node = next(iter(node.values()))
+            continue
         try:
             node = node[int(part)] if isinstance(node, list) else node[part]
         except (KeyError, IndexError, ValueError, TypeError):
             raise UserError(f"metric {path!r}: results hold no {part!r} there") from None
-    return float(node)
+    try:
+        return float(node)
+    except (TypeError, ValueError):
+        raise UserError(f"metric {path!r}: {node!r} is not a number") from None
 
 
 # ------------------------------------------------------------------ verdicts
@@ -322,6 +372,6 @@ def compute_note(flops: dict[str, int | None], tolerance: float = COMPUTE_TOLERA
     return f"arms differ in compute: {r[0]} {r[2]:.1f}× the FLOPs of {r[1]}"
 
 
-__all__ = ["Arm", "Experiment", "Rule", "Claim", "Registry", "Verdict", "load_registry", "select", "metric_value",
-           "verdict", "iso_depth_shares", "median_range", "median_interval", "binom_tail", "ALPHA", "compute_ratio",
-           "compute_note", "COMPUTE_TOLERANCE", "RULES", "VERDICTS"]
+__all__ = ["ANALYSES", "Analysis", "Arm", "Experiment", "Rule", "Claim", "Registry", "Verdict", "load_registry",
+           "select", "metric_value", "verdict", "iso_depth_shares", "median_range", "median_interval", "binom_tail",
+           "ALPHA", "compute_ratio", "compute_note", "COMPUTE_TOLERANCE", "RULES", "VERDICTS"]

@@ -19,6 +19,7 @@ its estimated cost instead of starting. Shapes: none (orchestration only).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -226,6 +227,52 @@ def run_theory(out: Path, progress: bool) -> dict[str, Any]:
     return res
 
 
+def analysis_folder(run: PlannedRun, claim: Claim) -> Path:
+    """Where a claim's analysis of one run writes: RUN/analysis/<name>/."""
+    return run.spec.out_dir / "analysis" / claim.analysis.name
+
+
+def analysis_command(run: PlannedRun, claim: Claim, out: Path) -> list[str]:
+    """The `loopformer` arguments of a claim's analysis of one run ({run}, {out}, {data} filled in)."""
+    fill = {"{run}": str(run.spec.out_dir), "{out}": str(analysis_folder(run, claim)), "{data}": str(out / "data")}
+    args = []
+    for a in claim.analysis.command:
+        for k, v in fill.items():
+            a = a.replace(k, v)
+        args.append(a)
+    return args
+
+
+def run_analyses(claims: list[Claim], runs: list[PlannedRun], out: Path, progress: bool) -> None:
+    """Each claim's analysis on each of its finished runs, once (an output already there is reused)."""
+    for c in claims:
+        if c.analysis is None:
+            continue
+        for r in runs:
+            if c.id not in r.claim_ids or not (r.spec.out_dir / "results.json").is_file() or \
+                    (analysis_folder(r, c) / c.analysis.output()).is_file():
+                continue
+            args = analysis_command(r, c, out)
+            if progress:
+                print(f"reproduce: {c.id}: loopformer {' '.join(args)}", file=sys.stderr)
+            proc = subprocess.run([sys.executable, "-m", "loopformer.cli", *args], capture_output=True, text=True)
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+                raise UserError(f"the {c.analysis.name} analysis of {r.spec.out_dir} failed: {last}")
+
+
+def claim_value(claim: Claim, run: PlannedRun, res: dict[str, Any]) -> float:
+    """A run's value of the claim's metric: from its results.json, or from its analysis output."""
+    if claim.analysis is None:
+        return metric_value(res, claim.metric)
+    f = analysis_folder(run, claim) / claim.analysis.output()
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{f} is missing or not valid JSON; remove its folder to measure again") from None
+    return metric_value(data, claim.metric[len("analysis."):])
+
+
 # ------------------------------------------------------------------ collecting and judging
 def _fmt(v: float, claim: Claim, signed: bool = False) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -270,10 +317,12 @@ def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: d
     for arm in (x for x in exp.arms if x.name in {r.arm for r in mine}):
         rows = []
         for r in sorted((r for r in mine if r.arm == arm.name), key=lambda r: r.seed):
-            if (r.spec.out_dir / "results.json").is_file():
+            if (r.spec.out_dir / "results.json").is_file() and (
+                    claim.analysis is None or (analysis_folder(r, claim) / claim.analysis.output()).is_file()):
                 res = read_results(r.spec.out_dir)
-                hib = bool(res.get("higher_is_better", True))
-                rows.append((r.seed, metric_value(res, claim.metric), res, r.spec.out_dir))
+                hib = bool(res.get("higher_is_better", True)) if claim.higher_is_better is None \
+                    else claim.higher_is_better
+                rows.append((r.seed, claim_value(claim, r, res), res, r.spec.out_dir))
         params = rows[0][2].get("params") if rows else None
         c = compute.get(arm.name)
         loops = rows[0][2]["total_loops"] * rows[0][2]["n_layers"] if rows else (c and c["loops"])
@@ -456,6 +505,7 @@ def export(out: Path, dest: Path) -> Path:
     check_owned_folder(dest, EXPORTED, "report.json", "reproduce --export")
     dest.mkdir(parents=True, exist_ok=True)
     for f in [out / "report.json", out / "report.md", *out.glob("*.png"), *out.glob("runs/*/*/results.json"),
+              *out.glob("runs/*/*/analysis/*/*.json"), *out.glob("runs/*/*/analysis/*/*.md"),
               *out.glob("runs/theory/*")]:
         if f.is_file():
             target = dest / f.relative_to(out)
@@ -476,6 +526,7 @@ def sequential(claims: list[Claim], runs: list[PlannedRun], out: Path, key: str,
         if runs:
             run_specs([r.spec for r in runs], None, [], jobs=jobs, threads=threads, progress=progress,
                       desc="reproduce", out=out)
+        run_analyses(claims, runs, out, progress)
         judged = [judge(c, runs, out, key, theory) for c in claims]
         more = [] if quick else [j for j in judged if _wants_seed(j, key, seeds, extra, max_seeds)]
         if not more:
@@ -524,6 +575,18 @@ def _seeds_note(j: dict, key: str, seeds: int | None, extra: dict[str, int], max
 
 
 # ------------------------------------------------------------------ the command
+def print_plan(claims: list[Claim], runs: list[PlannedRun], out: Path, key: str) -> None:
+    """The dry run's listing: prepare steps, every run with its compute, each claim's compute line and analysis."""
+    for group, cmd in prepare_commands(claims, out, key):
+        print(f"  prepare {group}: loopformer {' '.join(cmd)}")
+    for r in runs:
+        print(f"  {r.spec.out_dir}: {r.spec.config} {' '.join(r.spec.overrides)} — {_compute_text(r.compute)}")
+    for c in claims:
+        print(f"  {plan_compute_line(c, runs)}")
+        if c.analysis is not None:
+            print(f"  claim {c.id}: then on each run: loopformer {' '.join(c.analysis.command)}")
+
+
 def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds: int | None = None,
               jobs: int = 2, threads: int = 1, out: str | os.PathLike = "reproduce", scale: str = "cpu",
               registry: str | None = None, progress: bool = True, dry_run: bool = False,
@@ -565,12 +628,7 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
     if not start:
         if gpu_plan and not torch.cuda.is_available():
             print("--scale paper: no CUDA device here — the runs it would make:")
-        for group, cmd in prepare_commands(claims, out, key):
-            print(f"  prepare {group}: loopformer {' '.join(cmd)}")
-        for r in runs:
-            print(f"  {r.spec.out_dir}: {r.spec.config} {' '.join(r.spec.overrides)} — {_compute_text(r.compute)}")
-        for c in claims:
-            print(f"  {plan_compute_line(c, runs)}")
+        print_plan(claims, runs, out, key)
         return {"judged": [], "files": {}, "estimate": est, "ran": False}
     theory = run_theory(out, progress) if any(c.kind == "theory" for c in claims) else None
     judged = sequential(claims, runs, out, key, theory, quick=quick, seeds=seeds, max_seeds=max_seeds,
