@@ -431,10 +431,11 @@ ANALYSIS = ('    analysis: {command: [analyze, continuity, "{run}", --data, "{da
             '    higher_is_better: false\n')
 
 
-def _analysis_registry(tmp_path: Path, analysis: str = ANALYSIS, metric: str = "analysis.models.*.coefficient"):
+def _analysis_registry(tmp_path: Path, analysis: str = ANALYSIS,
+                       metric: str = "analysis.models.*.coefficient") -> Path:
     reg = _registry(tmp_path, "{kind: paired, a: two loops, b: one loop, margin: 0.0}")
-    text = reg.read_text().replace("    rule: {kind: paired", f"    metric: {metric}\n{analysis}    rule: {{kind: paired",
-                                   1).replace("seeds: 2", "seeds: 3")
+    head = f"    metric: {metric}\n{analysis}    rule: {{kind: paired"
+    text = reg.read_text().replace("    rule: {kind: paired", head, 1).replace("seeds: 2", "seeds: 3")
     reg.write_text(text)
     return reg
 

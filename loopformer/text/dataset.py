@@ -9,6 +9,11 @@
     SequentialWindows      evaluation: the non-overlapping windows x = s[i·T : i·T+T], y = s[i·T+1 : i·T+T+1],
                            in order, sharded round-robin over ranks; the last partial window is kept (shorter)
 
+Memory: nothing here holds a split. The maps are read where a window lies (a training step reads its B windows,
+and each rank of a distributed run only the windows of its own rows: the file pages those touch count in the
+process's resident size, shared with the page cache and reclaimable); the checks read the files in blocks;
+evaluation windows are computed batch by batch, not listed for the whole split.
+
 Shapes: B batch, T block size (context length).
 """
 
@@ -72,14 +77,14 @@ class TokenCorpus:
         return corpus_tokenizer(self.folder, self.manifest)
 
 
-def _max_id(path: str, dtype: np.dtype) -> int | None:
-    """The largest token id of a flat token file, read in blocks."""
-    size = os.path.getsize(path) // dtype.itemsize
-    if size == 0:
-        return None
-    arr = np.memmap(path, dtype=dtype, mode="r")
-    step = 1 << 24
-    return int(max(int(arr[i:i + step].max()) for i in range(0, size, step)))
+def _max_id(path: str, dtype: np.dtype, block: int = 1 << 22) -> int | None:
+    """The largest token id of a flat token file, read in blocks (plain reads: the pages do not stay mapped)."""
+    top: int | None = None
+    with open(path, "rb") as f:
+        while raw := f.read(block * dtype.itemsize):
+            m = int(np.frombuffer(raw, dtype=dtype).max())
+            top = m if top is None else max(top, m)
+    return top
 
 
 def _as_long(a: np.ndarray) -> torch.Tensor:
@@ -143,32 +148,41 @@ class SequentialWindows:
         if not 0 <= self.rank < self.world_size:
             raise UserError(f"rank {self.rank} is not in [0, {self.world_size})")
 
-    def starts(self) -> np.ndarray:
-        """Start offsets of this rank's windows."""
+    def _counts(self) -> tuple[int, int]:
+        """(windows of the split, of which full-length), over all ranks."""
         n_targets = len(self.tokens) - 1
         if n_targets < 1:
-            return np.zeros(0, dtype=np.int64)
+            return 0, 0
         full = n_targets // self.block_size
         n = full if (self.drop_last or n_targets % self.block_size == 0) else full + 1
-        return (np.arange(n, dtype=np.int64) * self.block_size)[self.rank::self.world_size]
+        return n, full
 
-    def _groups(self) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        T = self.block_size
-        starts = self.starts()
-        lengths = np.minimum(T, len(self.tokens) - 1 - starts)
-        return starts[lengths == T], [(int(s), int(n)) for s, n in zip(starts, lengths) if n < T]
+    def _mine(self, lo: int, hi: int) -> np.ndarray:
+        """Indices of this rank's windows among windows lo..hi-1."""
+        first = lo + (self.rank - lo) % self.world_size
+        return np.arange(first, hi, self.world_size, dtype=np.int64)
+
+    def starts(self) -> np.ndarray:
+        """Start offsets of this rank's windows."""
+        n, _ = self._counts()
+        return self._mine(0, n) * self.block_size
 
     def __len__(self) -> int:
         """Number of batches on this rank (a shorter final window is a batch of its own)."""
-        full, short = self._groups()
-        return -(-len(full) // self.batch_size) + len(short)
+        n, full = self._counts()
+        mine_full = len(range(self.rank, full, self.world_size))
+        mine_short = len(range(self.rank, n, self.world_size)) - mine_full
+        return -(-mine_full // self.batch_size) + mine_short
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         T = self.block_size
-        full, short = self._groups()
-        for i in range(0, len(full), self.batch_size):
-            w = _as_long(np.stack([np.asarray(self.tokens[s:s + T + 1]) for s in full[i:i + self.batch_size]]))
-            yield w[:, :-1], w[:, 1:]                                                   # [B,T], [B,T]
-        for s, n in short:
-            w = _as_long(np.asarray(self.tokens[s:s + n + 1]))[None]
+        n, full = self._counts()
+        step = self.batch_size * self.world_size      # this rank's next batch_size windows lie within `step`
+        for lo in range(0, full, step):
+            mine = self._mine(lo, min(lo + step, full))
+            if mine.size:
+                w = _as_long(np.stack([np.asarray(self.tokens[s * T:s * T + T + 1]) for s in mine]))
+                yield w[:, :-1], w[:, 1:]                                               # [B,T], [B,T]
+        for s in self._mine(full, n) * T:
+            w = _as_long(np.asarray(self.tokens[s:len(self.tokens)]))[None]
             yield w[:, :-1], w[:, 1:]                                                   # [1,n], [1,n]
