@@ -492,3 +492,30 @@ def test_an_analysis_step_is_run_once_per_run_and_judged(tmp_path, monkeypatch):
             "continuity.json").is_file()
     reproduce(["tiny"], registry=str(reg), out=tmp_path / "o", jobs=1, progress=False)
     assert len(calls) == 6                                           # outputs there: nothing measured again
+
+
+# ------------------------------------------------------------------ the paper's tables at paper scale
+def test_every_row_of_the_paper_tables_is_sized_by_hand(capsys):
+    from loopformer.experiments.paper import GPU_FLOPS, cells, load_tables, row_commands, size_cell
+
+    rows = load_tables().rows
+    assert [r.table for r in rows] == ["Table 2"] * 6 + ["Table 3", "Table 4"]
+    assert [len(cells(r)) for r in rows] == [9, 9, 9, 9, 9, 9, 3, 3]
+    lcs = rows[2]
+    assert cells(lcs)[0] == ("standard L = 12", ["model.n_layers=12", "model.loops=1"])
+    assert cells(lcs)[-1] == ("TMLT r = 100", ["model.loops=100", "model.timestep=true"])
+    c = size_cell(lcs, ["model.loops=50", "model.timestep=false"])
+    cfg = load_run_config(str(shipped_config("lcs60.yaml")), ["model.loops=50"])
+    assert c["flops"] == forward_flops(cfg.model, cfg.model.max_len) and c["loops"] == 50
+    assert c["steps"] == 781_250                       # 50 epochs of 1M rows at batch 64
+    assert c["gpu_hours"] == pytest.approx(3 * c["flops"] * 64 * 781_250 / GPU_FLOPS / 3600)
+    data, sweep = row_commands(lcs, "out")
+    assert data == ["data", "gen", "lcs", "--opt", "length=60", "--train", "1e6", "--test", "1e3", "--out",
+                    "data/lcs60", "--workers", "8"]
+    assert sweep[2:] == ["task.data_dir=data/lcs60", "--grid", "model.loops=5,10,50,100", "model.timestep=false,true",
+                         "--baseline", "model.n_layers=12", "model.loops=1", "--out", "out"]
+    assert row_commands(rows[6], "o")[0] is None       # ICL: made on the fly
+    assert main(["reproduce", "--paper-tables"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("**row total**") == 8 and "GPU hours** for one seed of every cell" in out
+    assert "WikiText-103" in out and "test perplexity: L = 12 20.5" in out

@@ -62,6 +62,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
+    if args.paper_tables:            # the paper-scale plan of Tables 2-4, nothing run
+        from loopformer.experiments.paper import paper_table
+        print(paper_table())
+        return 0
     check_runs_folder(args.out)
     ids = [i.strip() for part in args.claims or [] for i in part.split(",") if i.strip()] or None
     parts = ["loopformer reproduce"] + (["--claims", ",".join(ids)] if ids else []) + \
@@ -131,6 +135,9 @@ def register(subparsers) -> None:
                    help="paper: the paper-scale configs (GPU; without one, print the plan and its cost)")
     p.add_argument("--registry", metavar="FILE", help="a claims registry of your own (default: the shipped one)")
     p.add_argument("--dry-run", action="store_true", help="print the runs and the estimate, start nothing")
+    p.add_argument("--paper-tables", action="store_true",
+                   help="print every row of the paper's Tables 2-4 at paper scale (configs, sizes, estimated GPU "
+                        "hours; scripts/paper_row.sh N runs row N) and exit")
     p.add_argument("--export", metavar="DIR", help="also copy the report, plots and every run's results.json (no "
                                                    "checkpoints) to DIR, e.g. studies/reproduce/full")
     p.add_argument("--readme", metavar="FILE", help="also fill FILE's reproduce block with the summary table")
