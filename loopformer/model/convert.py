@@ -18,7 +18,6 @@ pre-norm before the MLP); `compat="authors"` in the config reproduces both forwa
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,8 @@ import torch
 
 from loopformer.configio import one_line
 from loopformer.errors import UserError
-from loopformer.fileio import check_owned_folder
 from loopformer.model.config import ModelConfig
-from loopformer.model.io import CONFIG, WEIGHTS, save_checkpoint
+from loopformer.model.io import check_checkpoint_out, save_checkpoint
 from loopformer.model.looped import LoopedTransformer
 from loopformer.model.memory import check_fits, param_count
 
@@ -154,17 +152,7 @@ def read_authors_checkpoint(path: str | os.PathLike, trust_pickle: bool = False)
 def check_convert_out(out: str | os.PathLike) -> None:
     """A UserError unless `out` is missing, empty or a checkpoint folder written by `convert` (its config.json
     records `run.converted_from`)."""
-    what = "convert"
-    check_owned_folder(out, (WEIGHTS, CONFIG), CONFIG, what, hint="choose a new folder for the converted checkpoint")
-    cfg = Path(out) / CONFIG
-    if cfg.is_file():
-        try:
-            ours = "converted_from" in (json.loads(cfg.read_text()).get("run") or {})
-        except (ValueError, OSError, AttributeError, TypeError):
-            ours = False
-        if not ours:
-            raise UserError(f"{out} holds a checkpoint that convert did not write; choose a new folder for the "
-                            f"converted checkpoint")
+    check_checkpoint_out(out, "convert", "converted_from", "choose a new folder for the converted checkpoint")
 
 
 def convert_file(path: str | os.PathLike, out: str | os.PathLike, trust_pickle: bool = False) -> Path:

@@ -37,7 +37,7 @@ from safetensors.torch import load_model, save_model
 
 from loopformer.configio import from_dict, to_dict
 from loopformer.errors import UserError
-from loopformer.fileio import new_folder, owner_dead
+from loopformer.fileio import check_owned_folder, new_folder, owner_dead
 from loopformer.model.config import ModelConfig
 from loopformer.model.looped import LoopedTransformer, unwrap
 from loopformer.model.memory import check_fits, param_count
@@ -191,6 +191,20 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, run: dic
     for h in _hidden(dest):           # leftovers of earlier swaps cut short (this process writes this checkpoint)
         shutil.rmtree(h, ignore_errors=True)
     return dest
+
+
+def check_checkpoint_out(out: str | os.PathLike, what: str, marker: str, hint: str) -> None:
+    """A UserError unless `out` is missing, empty or a checkpoint folder the command `what` wrote (its config.json
+    records `run.<marker>`): anything else in it is the user's and is never replaced."""
+    check_owned_folder(out, (WEIGHTS, CONFIG, EMA_WEIGHTS), CONFIG, what, hint=hint)
+    cfg = Path(out) / CONFIG
+    if cfg.is_file():
+        try:
+            ours = marker in (json.loads(cfg.read_text()).get("run") or {})
+        except (ValueError, OSError, AttributeError, TypeError):
+            ours = False
+        if not ours:
+            raise UserError(f"{out} holds a checkpoint that {what} did not write; {hint}")
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

@@ -208,25 +208,13 @@ def export_sharded(path: str | Path, out: str | Path) -> Path:
     `sharded/` folder alone in one process, as a checkpoint folder of model.safetensors (ema.safetensors) and the
     checkpoint's config.json, which `loopformer.load`, `eval` and `generate` read. DIR must be new, empty or an
     earlier export (its config.json records `run.exported_from`); nothing else is replaced."""
-    import json
-
-    from loopformer.fileio import check_owned_folder
-    from loopformer.model.io import CONFIG, WEIGHTS, read_config, resolve_checkpoint, save_checkpoint
+    from loopformer.model.io import check_checkpoint_out, read_config, resolve_checkpoint, save_checkpoint
     from loopformer.model.looped import LoopedTransformer
 
     ckpt = resolve_checkpoint(path)
     if not (ckpt / SHARDED).is_dir():
         raise UserError(f"{ckpt} holds no sharded checkpoint ({SHARDED}/; written by train.parallel=fsdp)")
-    check_owned_folder(out, (WEIGHTS, CONFIG, "ema.safetensors"), CONFIG, "export",
-                       hint="choose a new folder for the exported checkpoint")
-    cfg_file = Path(out) / CONFIG
-    if cfg_file.is_file():
-        try:
-            ours = "exported_from" in (json.loads(cfg_file.read_text()).get("run") or {})
-        except (ValueError, OSError, AttributeError, TypeError):
-            ours = False
-        if not ours:
-            raise UserError(f"{out} holds a checkpoint that export did not write; choose a new folder")
+    check_checkpoint_out(out, "export", "exported_from", "choose a new folder for the exported checkpoint")
     cfg, extra = read_config(ckpt, weights=False)
     tensors = read_sharded(ckpt / SHARDED)
     models = {}
