@@ -412,6 +412,7 @@ def test_an_iso_depth_claim_is_judged_and_reported(tmp_path, monkeypatch):
     j = res["judged"][0]
     assert j["verdict"].verdict == "reproduced" and j["verdict"].diffs == pytest.approx([0.75] * 3)
     assert {a["name"] for a in j["arms"]} == {"one loop", "two loops", "two layers"}
+    assert j["compute_note"] is None       # looped and unique match; the one-loop arm is cheaper by design
     report = (out / "report.md").read_text()
     assert "φ = (two loops − one loop) / (two layers − one loop): 0.75" in report
     assert "Shares (φ" in report

@@ -339,7 +339,9 @@ def judge(claim: Claim, runs: list[PlannedRun], out: Path, scale: str, theory: d
         v = verdict(claim.rule, vs[0], vs[1], hib, vs[2] if len(vs) > 2 else None)
     else:
         v = verdict(claim.rule, a["values"])
-    note = compute_note({x["name"]: x["flops"] for x in arms})
+    # iso-depth compares the looped and the unique arms at matched depth; the one-layer arm is cheaper by design
+    same = (claim.rule.a, claim.rule.b) if claim.rule.kind == "iso_depth" else tuple(x["name"] for x in arms)
+    note = compute_note({x["name"]: x["flops"] for x in arms if x["name"] in same})
     return {"claim": claim, "arms": arms, "verdict": v, "higher_is_better": hib, "compute_note": note}
 
 
