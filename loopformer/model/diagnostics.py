@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from loopformer.model.layers import PARAM_GROUPS, param_group
 from loopformer.model.options import LoopOptions
@@ -45,7 +44,8 @@ def grad_norms(model: torch.nn.Module,
             continue
         seen.add(id(p))
         g = param_group(name)
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        # a sharded gradient (DTensor) by its local shard; checked by name: torch.distributed.tensor is a heavy import
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         s = grad.detach().float().pow(2).sum()
         sq[g] = sq[g] + s if g in sq else s
     groups = [g for g in PARAM_GROUPS if g in sq]

@@ -57,6 +57,7 @@ from typing import Protocol
 import numpy as np
 from tqdm.auto import tqdm
 
+from loopformer.configio import one_line
 from loopformer.errors import UserError
 from loopformer.fileio import check_owned_folder, remove_stale_temps
 from loopformer.fileio import read_manifest as read_json_manifest
@@ -153,7 +154,7 @@ def wikitext103_source() -> Source:
             try:
                 cache["ds"] = load_dataset("wikitext", "wikitext-103-v1")
             except Exception as exc:
-                raise UserError(f"cannot load wikitext-103-v1 from Hugging Face: {_first_line(exc)}") from None
+                raise UserError(f"cannot load wikitext-103-v1 from Hugging Face: {one_line(exc)}") from None
         return cache["ds"]
 
     names = {"train": "train", "val": "validation", "test": "test"}
@@ -173,11 +174,6 @@ def _load_dataset_function(what: str) -> Callable:
     except ImportError:
         raise UserError(f"{what} needs Hugging Face datasets: pip install loopformer[text]") from None
     return load_dataset
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # ------------------------------------------------------------------------------------------ Hugging Face, streamed
@@ -223,7 +219,7 @@ def hf_source(source: str, opts: PrepareOptions) -> Source:
             try:
                 dd = load_dataset(name, config, **kwargs)
             except Exception as exc:
-                raise UserError(f"cannot load {shown} from Hugging Face: {_first_line(exc)}") from None
+                raise UserError(f"cannot load {shown} from Hugging Face: {one_line(exc)}") from None
             cache["plan"] = _hf_plan(dd, shown, opts)
         return cache["plan"]
 
