@@ -18,12 +18,13 @@ from loopformer.eval.config import EvalConfig
 from loopformer.eval.drift import drift_table
 from loopformer.eval.evaluate import check_eval_args, format_results
 from loopformer.eval.halting import format_halting, sweep_plot
+from loopformer.eval.lengths import format_lengths, lengths_plot, parse_lengths
 from loopformer.eval.run import EXTRAS, check_eval_config, evaluate_all
 from loopformer.fileio import check_figure_path, write_json
 from loopformer.model.halting import CRITERIA, HaltRule
 from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.model.memory import check_loops
-from loopformer.sources import TaskConfig, make_data, model_fields, source_class
+from loopformer.sources import TaskConfig, check_data_fits, make_data, source_class
 
 
 def other_data(task_cfg: TaskConfig, recorded: dict, data_dir: str | None, task_opts: dict | None
@@ -48,24 +49,6 @@ def other_data(task_cfg: TaskConfig, recorded: dict, data_dir: str | None, task_
         return dataclasses.replace(task_cfg, name=trained, options=options, data_dir=None)
     except ValueError as exc:
         raise UserError(f"--task-opt: {exc}") from None
-
-
-def check_data_fits(data, task_cfg: TaskConfig, model_cfg) -> None:
-    """One-line refusal when other data does not fit the model: another read-in width, causality or read-out,
-    rows longer than its learned positions, or input token ids outside its vocabulary (answers the model cannot
-    write are allowed: they count as wrong)."""
-    fields = model_fields(task_cfg)
-    for key in ("input_dim", "causal", "head"):
-        if fields[key] != getattr(model_cfg, key):
-            raise UserError(f"the data does not fit the model: its {key} is {fields[key]}, the model's "
-                            f"{getattr(model_cfg, key)}")
-    if model_cfg.indexed_positions and fields["max_len"] > model_cfg.max_len:
-        raise UserError(f"the data's rows hold {fields['max_len']} positions, the model learned {model_cfg.max_len} "
-                        f"(train with model.max_len={fields['max_len']} to test longer inputs)")
-    top = data.max_input_id()
-    if top is not None and top >= model_cfg.vocab_size:
-        raise UserError(f"the data's inputs use token id {top}, outside the model's vocabulary of "
-                        f"{model_cfg.vocab_size}")
 
 
 def evaluate_checkpoint(path: str, cfg: EvalConfig | None = None, *, device: str = "auto", ema: bool = False,
@@ -144,7 +127,8 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         return EvalConfig(batch_size=args.batch_size, n=args.n, loops=args.loops or 0, max_loops=args.max_loops or 0,
                           loopwise=not args.no_loopwise, halt=list(args.halt or []), halt_sweep=sweep,
                           budgets=parse_budgets(args.budgets) if args.budgets is not None else [],
-                          votes=args.votes, step_halt=args.step_halt, drift=args.drift)
+                          votes=args.votes, step_halt=args.step_halt, drift=args.drift,
+                          lengths=parse_lengths(args.lengths) if args.lengths is not None else [])
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -152,6 +136,35 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
 def run_name(checkpoint: Path) -> str:
     """A checkpoint's name in tables: its run folder's name (the folder itself when it is not a run's)."""
     return checkpoint.parent.name if checkpoint.name == "checkpoint" else checkpoint.name
+
+
+def print_extras(res: dict) -> None:
+    """The parts of an evaluation beyond fixed depth, each under its title: halting, drift, budgets, lengths."""
+    for key, title in (("halting", "adaptive depth"), ("halting_sweep", "adaptive depth, threshold sweep")):
+        if key in res:
+            print(f"\n{title} (at most {res[key]['loops']} loops; loops per "
+                  f"{'supervised token' if res['causal'] else 'row'}):")
+            print(format_halting(res[key]))
+    if "drift" in res:
+        print(f"\ndrift past r (loops up to 4r):\n{drift_table(res['drift'])}")
+    if "budgets" in res:
+        print(f"\n{res['metric']} when run with each loop budget:")
+        print(format_budgets(res["budgets"]))
+    if "lengths" in res:
+        print(f"\n{res['metric']} at each input length:")
+        print(format_lengths(res["lengths"]))
+
+
+def draw(res: dict, path: str) -> None:
+    """The one figure an evaluation asked for (checked before it ran): the lengths, the sweep or the budgets."""
+    name = run_name(Path(res["checkpoint"]))
+    if "lengths" in res:
+        lengths_plot(res["lengths"], path, title=f"{name}: loops T(n) = {res['lengths']['formula']}")
+    elif "halting_sweep" in res:
+        sweep_plot(res["halting_sweep"], path, title=f"{Path(res['checkpoint']).parent.name}: adaptive depth")
+    else:
+        budgets_plot(res["budgets"], path)
+    print(f"wrote {path}")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -163,10 +176,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if Path(args.json).is_dir():
             raise UserError(f"--json {args.json} is a folder")
     sweep = cfg.halt_sweep
-    if args.plot and not sweep and not args.budgets:
-        raise UserError("--plot draws the --halt-sweep or the --budgets; give one of them")
-    if args.plot and sweep and args.budgets:
-        raise UserError("--plot draws one figure: give --halt-sweep or --budgets, not both")
+    drawn = [f for f, on in (("--halt-sweep", sweep), ("--budgets", args.budgets), ("--lengths", cfg.lengths)) if on]
+    if args.plot and not drawn:
+        raise UserError("--plot draws the --halt-sweep, the --budgets or the --lengths; give one of them")
+    if args.plot and len(drawn) > 1:
+        raise UserError(f"--plot draws one figure: give one of {', '.join(drawn)}")
     if args.plot:
         check_figure_path(args.plot)
     res = evaluate_checkpoint(args.checkpoint, cfg, device=args.device, ema=args.ema, timestep_past=args.past_r,
@@ -182,22 +196,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"data: {d.get('data_dir') or 'generated'} ({d.get('name')}, options {d.get('options')}, "
               f"{d.get('n_test')} test rows)")
     print(format_results(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"], res["stepwise"]))
-    for key, title in (("halting", "adaptive depth"), ("halting_sweep", "adaptive depth, threshold sweep")):
-        if key in res:
-            print(f"\n{title} (at most {res[key]['loops']} loops; loops per "
-                  f"{'supervised token' if res['causal'] else 'row'}):")
-            print(format_halting(res[key]))
-    if "drift" in res:
-        print(f"\ndrift past r (loops up to 4r):\n{drift_table(res['drift'])}")
-    if "budgets" in res:
-        print(f"\n{res['metric']} when run with each loop budget:")
-        print(format_budgets(res["budgets"]))
-    if args.plot and sweep:
-        sweep_plot(res["halting_sweep"], args.plot, title=f"{Path(res['checkpoint']).parent.name}: adaptive depth")
-        print(f"wrote {args.plot}")
-    elif args.plot:
-        budgets_plot(res["budgets"], args.plot)
-        print(f"wrote {args.plot}")
+    print_extras(res)
+    if args.plot:
+        draw(res, args.plot)
     if args.json:
         write_json(args.json, res)
         print(f"wrote {args.json}")
@@ -234,7 +235,11 @@ def register(subparsers) -> None:
     p.add_argument("--drift", action="store_true",
                    help="also the drift diagnostics up to 4r: metric, state change, spectral radius of the loop map, "
                         "a verdict settling / marginal / drifting")
-    p.add_argument("--plot", metavar="FILE", help="draw the --halt-sweep or the --budgets (PNG)")
+    p.add_argument("--lengths", metavar="LIST",
+                   help="also the metric at each of these input lengths (comma-separated, e.g. 8,16,32,64), the task "
+                        "regenerated at each with the model's loops T(n) (its loop rule; --loops: that many), and "
+                        "against loops up to 2·T(n) (--max-loops: that many)")
+    p.add_argument("--plot", metavar="FILE", help="draw the --halt-sweep, the --budgets or the --lengths (PNG)")
     p.add_argument("--past-r", choices=["continue", "clamp"], default=None,
                    help="the timestep encoding's loop index past the trained loops (default: the checkpoint's)")
     p.add_argument("--data", metavar="DIR", help="evaluate on this dataset folder of the model's task (another seed, "

@@ -37,6 +37,9 @@ class EvalConfig:
                                       # reported next to the plain metrics as voted_* (0: off)
     drift: bool = True                # the drift diagnostics up to 4r at the end (results.json "drift":
                                       # loopformer.eval.drift): metric, state change, spectral radius, verdict
+    lengths: list[int] = field(default_factory=list)   # also the metric at each of these input lengths with the
+                                      # model's loops T(n) (e.g. [8, 16, 32, 64]): results.json "lengths"
+                                      # (loopformer.eval.lengths; tasks with a length option)
     step_halt: float = 0.5            # halting across supervision steps (exit gate, supervision_steps > 1): a row
                                       # stops at the first step whose stop probability reaches this (halted_*)
 
@@ -52,6 +55,8 @@ class EvalConfig:
             _need(c in CRITERIA, f"eval.halt_sweep: unknown halting criterion {c!r} (choose from "
                                  f"{', '.join(CRITERIA)})")
         _need(all(b >= 1 for b in self.budgets), f"eval.budgets must be >= 1 (got {self.budgets})")
+        _need(all(isinstance(n, int) and n >= 1 for n in self.lengths),
+              f"eval.lengths must be whole numbers >= 1 (got {self.lengths})")
         _need(0 <= self.votes <= 1000, f"eval.votes must be in 0..1000 (got {self.votes})")
         _need(0 < self.step_halt <= 1, f"eval.step_halt must be in (0, 1] (got {self.step_halt})")
 

@@ -30,8 +30,10 @@ from tqdm.auto import tqdm
 
 from loopformer.errors import UserError
 from loopformer.model.halting import row_mean
+from loopformer.model.lengths import LoopRule
 from loopformer.model.looped import unwrap
 from loopformer.model.memory import MAX_LOOPS, check_loops
+from loopformer.model.options import PLAIN, LoopOptions
 from loopformer.model.recursion import step_exits
 from loopformer.sources import DataSource
 
@@ -49,24 +51,40 @@ def check_eval_args(loops: int | None = None, max_loops: int | None = None, batc
 
 
 def read_outs(model: torch.nn.Module, x: torch.Tensor, loops: int, all_loops: bool,
-              autocast: Callable[[], Any]) -> torch.Tensor:
-    """The read-out after every loop [R,B,T,C] (`all_loops`), or after the last [1,B,T,C]."""
+              autocast: Callable[[], Any], rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The read-out after every loop [R,B,T,C] (`all_loops`), or after the last [1,B,T,C]; `rows` [B]: a loop count
+    per row (each row keeps its state after its own loops)."""
     with autocast():
-        out = model(x, loops=loops, return_all=all_loops)
+        out = model(x, loops=loops, return_all=all_loops,
+                    opts=PLAIN if rows is None else LoopOptions(row_loops=rows))
     return out.all_logits if all_loops else out.logits[None]
 
 
+def rule_rows(model: torch.nn.Module, batch: dict[str, np.ndarray], loops: int,
+              device: torch.device) -> torch.Tensor | None:
+    """The loops of every row of `batch` under the model's loop rule (`model.loop_rule`: T(n) from the row's size,
+    at most `loops`), [B]; None for a fixed rule or rows without sizes."""
+    rule = LoopRule.parse(model.config.loop_rule)
+    if rule.fixed or "size" not in batch:
+        return None
+    return torch.from_numpy(np.minimum(rule.loops(batch["size"], model.config.loops), loops)).to(device)
+
+
 def loop_metrics(model: torch.nn.Module, data: DataSource, loops: int, all_loops: bool, batch_size: int, limit: int,
-                 device: torch.device, autocast: Callable[[], Any], progress: bool) -> list[dict[str, float]]:
+                 device: torch.device, autocast: Callable[[], Any], progress: bool,
+                 per_row: bool = True) -> list[dict[str, float]]:
     """The metrics of `model` (in eval mode, no gradients) on the test split after every loop 1..`loops`
     (`all_loops`), or after the last only (a list of one): the source's evaluation batches through the model, each
-    batch's read-outs scored by the source."""
+    batch's read-outs scored by the source. A model with a loop rule runs every row T(n) loops (at most `loops`)
+    and keeps its state after them, so loop t reads each row after min(t, T(n)) loops (`per_row` off: every row
+    runs every loop, as a fixed rule)."""
     n_read = loops if all_loops else 1
     parts = []
     for batch in tqdm(list(data.eval_batches(batch_size, limit, n_read, model.config.out_dim)), desc="eval",
                       disable=not progress, leave=False):
         x = data.as_tensors(batch, device)["inputs"]
-        parts.append(data.score(read_outs(model, x, loops, all_loops, autocast), batch))
+        rows = rule_rows(model, batch, loops, device) if per_row else None              # [b] | None: T(n) per row
+        parts.append(data.score(read_outs(model, x, loops, all_loops, autocast, rows), batch))
     return data.summarize(parts, limit, model.config.loops)
 
 
@@ -141,8 +159,10 @@ def evaluate(model: torch.nn.Module, data: DataSource, *, loops: int | None = No
 @torch.no_grad()
 def fixed_depth(raw: torch.nn.Module, data: DataSource, *, loops: int | None, max_loops: int | None,
                 batch_size: int, limit: int, loopwise: bool, device: torch.device | None,
-                autocast: Callable[[], Any], progress: bool, votes: int, step_halt: float) -> dict[str, Any]:
-    """`evaluate` on arguments already checked (`raw`: the model itself, not a wrapper)."""
+                autocast: Callable[[], Any], progress: bool, votes: int, step_halt: float,
+                per_row: bool = True) -> dict[str, Any]:
+    """`evaluate` on arguments already checked (`raw`: the model itself, not a wrapper); `per_row` off: a model with
+    a loop rule runs every row every loop (`loop_metrics`)."""
     cfg = raw.config
     r = int(loops or cfg.total_loops)
     R = max(r, int(max_loops or 0)) if loopwise else r
@@ -150,7 +170,8 @@ def fixed_depth(raw: torch.nn.Module, data: DataSource, *, loops: int | None, ma
     was_training = raw.training
     raw.eval()
     try:
-        per_loop = loop_metrics(raw, data, R, loopwise and R > 1, batch_size, limit, device, autocast, progress)
+        per_loop = loop_metrics(raw, data, R, loopwise and R > 1, batch_size, limit, device, autocast, progress,
+                                per_row)
         voted = voted_metrics(raw, data, r, votes, batch_size, limit, device, autocast) if votes else {}
         halted = step_halted_metrics(raw, data, cfg.loops, cfg.supervision_steps, step_halt, batch_size, limit,
                                      device, autocast) if (cfg.exit_gate and cfg.supervision_steps > 1) else {}

@@ -22,11 +22,12 @@ from loopformer.eval.config import EvalConfig
 from loopformer.eval.drift import drift_report
 from loopformer.eval.evaluate import check_eval_args, fixed_depth
 from loopformer.eval.halting import check_halting_args, parse_rules, rules_side_by_side, threshold_sweep
+from loopformer.eval.lengths import length_curve
 from loopformer.model.looped import unwrap
 from loopformer.model.memory import check_loops, loop_cap
 from loopformer.sources import DataSource
 
-EXTRAS = ("halting", "budgets", "halting_sweep", "drift")   # the keys evaluate_all adds to `evaluate`'s result
+EXTRAS = ("halting", "budgets", "halting_sweep", "drift", "lengths")   # what evaluate_all adds to `evaluate`'s result
 
 
 def check_eval_config(cfg: EvalConfig, trained: int) -> None:
@@ -46,8 +47,9 @@ def evaluate_all(model: torch.nn.Module, data: DataSource, cfg: EvalConfig, *, l
     `cfg.max_loops`, default 2r, unless `loopwise` or `cfg.loopwise` is off), and with `extras` also "halting"
     (`cfg.halt`: `evaluate_halting`), "budgets" (`cfg.budgets`: `evaluate_budgets`, the halting rules capped at
     each budget), "halting_sweep" (`cfg.halt_sweep`: `halting_sweep`) and "drift" (`cfg.drift`: the drift
-    diagnostics up to 4r, `loopformer.eval.drift`, reusing the loop-wise curve where it reaches 4r) where asked
-    for. `autocast`: the precision of the fixed-depth and budget forwards (halting rules run in the model's own)."""
+    diagnostics up to 4r, `loopformer.eval.drift`, reusing the loop-wise curve where it reaches 4r) and "lengths"
+    (`cfg.lengths`: the metric at each input length, `loopformer.eval.lengths`) where asked for. `autocast`: the
+    precision of the fixed-depth and budget forwards (halting rules run in the model's own)."""
     raw = unwrap(model)
     trained = raw.config.total_loops
     check_eval_config(cfg, trained)
@@ -75,6 +77,10 @@ def evaluate_all(model: torch.nn.Module, data: DataSource, cfg: EvalConfig, *, l
         res["budgets"] = budget_runs(raw, data, sorted(set(cfg.budgets)), autocast=autocast, halt=rules, **common)
     if cfg.halt_sweep:
         res["halting_sweep"] = threshold_sweep(raw, data, cfg.halt_sweep, loops=r, **common)
+    if cfg.lengths:
+        res["lengths"] = length_curve(raw, data, cfg.lengths, loops=cfg.loops, max_loops=cfg.max_loops,
+                                      batch_size=cfg.batch_size, limit=cfg.n,
+                                      device=device, autocast=autocast, progress=progress)
     if drift:
         res["drift"] = drift_report(raw, data, loops=r, batch_size=cfg.batch_size, limit=cfg.n, device=device,
                                     autocast=autocast, curve=curve if len(curve) >= 4 * r else None)

@@ -254,6 +254,39 @@ def budgets_table(runs: list[dict]) -> str | None:
     return "\n".join(lines) + "\n"
 
 
+def lengths_table(runs: list[dict]) -> str | None:
+    """Markdown: for the runs evaluated at other input lengths (results.json "lengths", `eval.lengths`), one row per
+    (task, configuration) and one column per length n: the metric with the model's loops T(n), median [min–max]
+    over its seeds; then each run with its loops per length. None when no run has lengths."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in runs:
+        if r.get("lengths"):
+            groups[(task_label(r.get("task", {})), config_key(r["_dir"]))].append(r)
+    if not groups:
+        return None
+    lengths = sorted({p["length"] for rs in groups.values() for r in rs for p in r["lengths"]["lengths"]})
+    head = " | ".join(f"n = {n}" for n in lengths)
+    lines = [f"| task | configuration | loops T(n) | trained up to | seeds | {head} |",
+             "|---|---|---|---:|---:|" + "---|" * len(lengths)]
+    for (label, key), rs in sorted(groups.items()):
+        metric, info = rs[0]["metric"], rs[0]["lengths"]
+        cells = []
+        for n in lengths:
+            vals = [float(p["metric"]) for r in rs for p in r["lengths"]["lengths"] if p["length"] == n]
+            cells.append(_median_range(vals, metric) if len(vals) > 1 else (_fmt(vals[0], metric) if vals else ""))
+        lines.append(f"| {label} | {key} | {info['formula']} | {info.get('trained_size') or ''} | {len(rs)} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Each run (the metric, and the loops it ran, at each length):", "",
+              f"| task | configuration | seed | {head} |", "|---|---|---:|" + "---|" * len(lengths)]
+    for (label, key), rs in sorted(groups.items()):
+        metric = rs[0]["metric"]
+        for r in sorted(rs, key=lambda r: r.get("seed", 0)):
+            at = {p["length"]: p for p in r["lengths"]["lengths"]}
+            lines.append(f"| {label} | {key} | {r.get('seed', '')} | " + " | ".join(
+                f"{_fmt(at[n]['metric'], metric)} ({at[n]['loops']})" if n in at else "" for n in lengths) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_budgets(runs: list[dict], path: str | os.PathLike) -> Path | None:
     """The median over seeds of the metric when run with each budget, one line per configuration."""
     groups = _budget_groups(runs)
@@ -417,8 +450,8 @@ def generalisation_table(runs: list[dict], data_dir: str | None = None, task_opt
 def write_report(folder: str | os.PathLike, out: str | os.PathLike | None = None,
                  data_dir: str | None = None, task_opts: dict | None = None, device: str = "auto",
                  limit: int = 0) -> dict[str, Any]:
-    """Write table.md, table.csv, runs.csv, loops.png, loopwise.png (and halting.md, budgets.md / .png) into `out`
-    (default: `folder`); with `data_dir` or `task_opts` also generalisation.md (`generalisation_table`)."""
+    """Write table.md, table.csv, runs.csv, loops.png, loopwise.png (and halting.md, budgets.md / .png, lengths.md)
+    into `out` (default: `folder`); with `data_dir` or `task_opts` also generalisation.md (`generalisation_table`)."""
     runs = find_runs(folder)
     md, tab = table(runs)
     dest = Path(out or folder)
@@ -438,6 +471,9 @@ def write_report(folder: str | os.PathLike, out: str | os.PathLike | None = None
     if budgets is not None:
         written["budgets.md"] = write_text(dest / "budgets.md", budgets)
         written["budgets.png"] = plot_budgets(runs, dest / "budgets.png")
+    lengths = lengths_table(runs)
+    if lengths is not None:
+        written["lengths.md"] = write_text(dest / "lengths.md", lengths)
     halting = halting_table(runs)
     if halting is not None:
         written["halting.md"] = write_text(dest / "halting.md", halting)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from loopformer.errors import UserError
 from loopformer.model.fixedpoint import check as check_fixed_point
+from loopformer.model.lengths import check as check_loop_rule
 from loopformer.model.stability import check as check_stabilisers
 
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
@@ -44,6 +45,9 @@ class ModelConfig:
     ffn_dim: int | None = None     # default 4 * d_model
     n_layers: int = 1                 # k layers per block (the standard Transformer: L layers, loops = 1)
     loops: int = 1                    # r: how often the block is applied (override per call with loops=)
+    loop_rule: str = "fixed"          # loops as a function of a row's size n (length generalisation;
+                                      # loopformer.model.lengths): "fixed" (r) | "linear:a,b" ⌈a·n + b⌉ |
+                                      # "log:c,b" ⌈c·⌈log2 n⌉ + b⌉; r must cover the largest training size
     activation: str = "gelu"          # "gelu" (exact erf) | "gelu_tanh" | "relu" | "silu"
     norm: str = "rms"                 # pre-norm: "rms" | "none"
     norm_gain: bool = True            # learnable gain in the block's RMSNorms
@@ -139,6 +143,7 @@ class ModelConfig:
                  f"positions (got {len(f)} entries)")
         check_stabilisers(self)
         check_fixed_point(self)
+        check_loop_rule(self)
         need(self.activation in _ACTIVATIONS, f"activation must be one of {_ACTIVATIONS} (got {self.activation!r})")
         need(self.norm in ("rms", "none"), f"norm must be 'rms' or 'none' (got {self.norm!r})")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1) (got {self.dropout})")

@@ -52,5 +52,23 @@ def model_fields(cfg: TaskConfig) -> dict[str, Any]:
     return cls.model_fields(cfg)
 
 
+def check_data_fits(data, task_cfg: TaskConfig, model_cfg) -> None:
+    """One-line refusal when other data does not fit the model: another read-in width, causality or read-out,
+    rows longer than its learned positions, or input token ids outside its vocabulary (answers the model cannot
+    write are allowed: they count as wrong)."""
+    fields = model_fields(task_cfg)
+    for key in ("input_dim", "causal", "head"):
+        if fields[key] != getattr(model_cfg, key):
+            raise UserError(f"the data does not fit the model: its {key} is {fields[key]}, the model's "
+                            f"{getattr(model_cfg, key)}")
+    if model_cfg.indexed_positions and fields["max_len"] > model_cfg.max_len:
+        raise UserError(f"the data's rows hold {fields['max_len']} positions, the model learned {model_cfg.max_len} "
+                        f"(train with model.max_len={fields['max_len']} to test longer inputs)")
+    top = data.max_input_id()
+    if top is not None and top >= model_cfg.vocab_size:
+        raise UserError(f"the data's inputs use token id {top}, outside the model's vocabulary of "
+                        f"{model_cfg.vocab_size}")
+
+
 __all__ = ["SOURCES", "DataSource", "TaskConfig", "TokenData", "VectorData", "TextData", "source_class",
-           "make_data", "model_fields", "hide_answers", "stream_indices"]
+           "make_data", "model_fields", "check_data_fits", "hide_answers", "stream_indices"]

@@ -67,6 +67,10 @@ class TaskConfig:
                                       # loop t of the loss is supervised with the state after step j(t) instead of
                                       # the answer (loopformer.tasks.common.loop_steps; needs train.loss_loops all
                                       # or window)
+    length_start: int = 0             # a length curriculum (tasks whose rows record a size n): train on rows of size
+                                      # <= length_start first (0: off) ...
+    length_every: int = 100           # ... and admit length_increment larger sizes every length_every steps
+    length_increment: int = 1
     block_size: int = 256             # text: tokens per training window
     eval_windows: int = 64            # text: validation windows per evaluation
     points: int = 41                  # icl: in-context examples per prompt (without a curriculum)
@@ -76,6 +80,8 @@ class TaskConfig:
         _need(bool(self.name), "task.name must be set")
         _need(self.n_train >= 1 and self.n_test >= 1, "task.n_train and task.n_test must be >= 1")
         _need(0 <= self.seed < 2 ** 63, f"task.seed must be in [0, 2^63) (got {self.seed})")
+        _need(self.length_start >= 0 and self.length_every >= 1 and self.length_increment >= 1,
+              "task.length_start must be >= 0, task.length_every and task.length_increment >= 1")
         _need(self.block_size >= 2, "task.block_size must be >= 2")
         _need(self.eval_windows >= 1, "task.eval_windows must be >= 1")
         _need(self.points >= 1, "task.points must be >= 1")
@@ -112,6 +118,14 @@ class DataSource:
     def task_name(cls, cfg: TaskConfig) -> str:
         """The name of the task `cfg` serves (for a data folder: the one its manifest names)."""
         return cfg.name
+
+    def at_length(self, n: int, rows: int) -> tuple[DataSource, TaskConfig]:
+        """A source whose `rows` test rows all have size n (`loopformer eval --lengths`), and its task section."""
+        raise UserError(f"the {self.cfg.name} data cannot be made at another length")
+
+    def largest_size(self) -> int | None:
+        """The largest size n of a training or test row (tasks whose rows record one, `size`); None otherwise."""
+        return None
 
     def max_input_id(self) -> int | None:
         """The largest token id in the test split's inputs (None: the inputs are not token ids)."""

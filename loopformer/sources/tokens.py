@@ -11,6 +11,7 @@ Tasks with symmetries (Sudoku): `augment` draws training rows under random symme
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from loopformer.data.dataset import open_dataset, read_manifest
 from loopformer.errors import UserError
 from loopformer.sources.base import DataSource, TaskConfig, check_dir, eval_rows, plain, stream_indices
-from loopformer.tasks import IGNORE, TASKS, TokenTask, get_task
+from loopformer.tasks import IGNORE, TASKS, TokenTask, get_task, task_options
 from loopformer.tasks.common import exact_match, loop_steps
 
 
@@ -78,6 +79,28 @@ class TokenData(DataSource):
     def task_name(cls, cfg: TaskConfig) -> str:
         return cls.task_from(cfg).name
 
+    def at_length(self, n: int, rows: int) -> tuple[TokenData, TaskConfig]:
+        """The task regenerated with option length = n (and min_length 0: every row of size n): `rows` test rows of
+        the run's data seed (disjoint from its training rows: the split is a hash of the row); one training row."""
+        options = dict(self.task.options())
+        if "length" not in options:
+            raise UserError(f"the {self.task.name} task has no length option to vary (tasks with one: "
+                            f"{', '.join(k for k, c in TASKS.items() if 'length' in task_options(k))})")
+        options["length"] = int(n)
+        if "min_length" in options:
+            options["min_length"] = 0
+        cfg = dataclasses.replace(self.cfg, name=self.task.name, options=options, data_dir=None, n_train=1,
+                                  n_test=int(rows), loop_targets=False, augment=False, length_start=0)
+        try:
+            return TokenData(cfg), cfg
+        except UserError as exc:
+            raise UserError(f"length {n}: {exc}") from None
+
+    def largest_size(self) -> int | None:
+        if "size" not in self.train or "size" not in self.test:
+            return None
+        return max(int(np.max(self.train["size"])), int(np.max(self.test["size"])))
+
     def max_input_id(self) -> int | None:
         return int(np.max(self.test["inputs"])) if len(self.test["inputs"]) else None
 
@@ -101,13 +124,38 @@ class TokenData(DataSource):
         if cfg.augment and not self.task.augments:
             raise UserError(f"task.augment: the {self.task.name} task defines no augmentation")
         self.n_train = len(self.train["inputs"])
+        self.size_order = None        # a length curriculum's (rows sorted by size, their sizes)
+        if cfg.length_start:
+            if "size" not in self.train:
+                raise UserError(f"task.length_start: the {self.task.name} task's rows record no size (tasks that do: "
+                                "parity, copy, addition, binary_sum, word_problem)")
+            sizes = np.asarray(self.train["size"])
+            order = np.argsort(sizes, kind="stable")
+            self.size_order = (order, sizes[order])
+            if cfg.length_start < int(sizes.min()):
+                raise UserError(f"task.length_start={cfg.length_start} is below the smallest training size "
+                                f"{int(sizes.min())}: no row to start with")
         for split, rows in (("train", self.n_train), ("test", len(self.test["inputs"]))):
             if rows == 0:
                 raise UserError(f"{cfg.data_dir or 'the task'} holds no {split} rows: nothing to train on or score "
                                 f"(write the dataset with --{split} N, N >= 1)")
 
     def plan(self, step: int, batch_size: int) -> np.ndarray:
-        return stream_indices(self.cfg.seed, self.n_train, step * batch_size, batch_size)
+        """The training rows of step `step`: the data seed's stream over all rows, or with a length curriculum
+        (`task.length_start`) over the rows of size <= the step's largest (`curriculum_size`), sorted by size."""
+        largest = self.curriculum_size(step)
+        if largest is None:
+            return stream_indices(self.cfg.seed, self.n_train, step * batch_size, batch_size)
+        allowed = int(np.searchsorted(self.size_order[1], largest, side="right"))
+        return self.size_order[0][stream_indices(self.cfg.seed, allowed, step * batch_size, batch_size)]
+
+    def curriculum_size(self, step: int) -> int | None:
+        """The largest size a length curriculum admits at step `step` (None: no curriculum, or every size by now)."""
+        c = self.cfg
+        if not c.length_start or self.size_order is None:
+            return None
+        largest = c.length_start + (step // c.length_every) * c.length_increment
+        return None if largest >= self.size_order[1][-1] else largest
 
     def fetch(self, keys: np.ndarray, step: int) -> dict[str, torch.Tensor]:
         idx = np.asarray(keys, dtype=np.int64)
@@ -119,6 +167,8 @@ class TokenData(DataSource):
         if self.cfg.augment:
             rows = self.augment_rows(rows, idx, step)
         out = {"inputs": torch.from_numpy(rows["inputs"]), "targets": torch.from_numpy(rows["targets"])}
+        if "size" in self.train:                                                         # [b] the rows' sizes n
+            out["size"] = torch.from_numpy(np.asarray(self.train["size"][idx], dtype=np.int64))
         if self.cfg.loop_targets:
             out["step_targets"] = torch.from_numpy(np.asarray(self.train["step_targets"][idx], dtype=np.int64))
         return out

@@ -20,6 +20,14 @@ the state after every step, `step_targets` [N, K, T], for per-loop targets: `tas
     pointer_chase  f(0) … f(m-1) s ? -> f^k(s)          (non-causal; knob: hops)
     schedule       x1 … xn -> a fixed hidden circuit's output after K layers   (non-causal; knob: layers)
 
+Tasks of variable size for length generalisation (`loopformer.tasks.algorithmic`; every row has its own size n in
+min_length..length, recorded in `size`; causal, padded at the end):
+
+    parity         <bos> b1 … bn = p <eos>
+    copy           <bos> x1 … xn = x1 … xn <eos>              (reverse: xn … x1)
+    addition       <bos> a1 … an + c1 … cn = s1 … sn+1 <eos>  (binary, least significant bit first)
+    binary_sum     <bos> b1 … bn = (b1 + … + bn in binary) <eos>
+
 In-context learning (real-valued prompts sampled on the fly) lives in `loopformer.tasks.icl`.
 
 A new token task is a module here holding a dataclass subclass of `TokenTask` (its init fields are its options)
@@ -33,6 +41,7 @@ import dataclasses
 from typing import Any
 
 from loopformer.errors import UserError
+from loopformer.tasks.algorithmic import AdditionTask, BinarySumTask, CopyTask, ParityTask
 from loopformer.tasks.base import IGNORE, TokenTask, Vocab
 from loopformer.tasks.countdown import CountdownTask
 from loopformer.tasks.edit_distance import EditDistanceTask
@@ -50,6 +59,10 @@ TASKS: dict[str, type[TokenTask]] = {
     "word_problem": WordProblemTask,
     "pointer_chase": PointerChaseTask,
     "schedule": ScheduleTask,
+    "parity": ParityTask,
+    "copy": CopyTask,
+    "addition": AdditionTask,
+    "binary_sum": BinarySumTask,
 }
 
 
@@ -78,4 +91,5 @@ def get_task(name: str, **options: Any) -> TokenTask:
 
 __all__ = ["TASKS", "get_task", "task_options", "TokenTask", "Vocab", "IGNORE", "EditDistanceTask", "LCSTask",
            "SudokuTask", "CountdownTask",
-           "WordProblemTask", "PointerChaseTask", "ScheduleTask"]
+           "WordProblemTask", "PointerChaseTask", "ScheduleTask", "ParityTask", "CopyTask", "AdditionTask",
+           "BinarySumTask"]

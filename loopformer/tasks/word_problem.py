@@ -18,6 +18,13 @@ Intermediate states (per-loop targets, `task.loop_targets`), option `scan`:
 
 Layout (bidirectional, T = n):  inputs g_1 … g_n,  targets p_1 … p_n.  Splits are disjoint by a hash of the
 input row.
+
+Variable lengths (length generalisation, `min_length` > 0): every row draws its length m from min_length..length
+(`size` [N]) and is padded at the end (pads: target IGNORE, intermediate states IGNORE). The prefix products of a
+row of length m are those of its first m elements, and a row's scan reaches its answer by step m − 1 and holds it
+(linear) — shorter rows simply finish early. With `causal` the model reads the row under a causal mask (prefix
+products need only the past), so no real element ever sees a pad: the setting for training on lengths up to n and
+running at 2n; a bidirectional model reads the pads.
 """
 
 from __future__ import annotations
@@ -29,8 +36,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from loopformer.errors import UserError
-from loopformer.tasks.base import TokenTask, Vocab
-from loopformer.tasks.common import check_range, dataclass_options, draw_in_split, exact_match, make_rng, token_accuracy
+from loopformer.tasks.base import IGNORE, TokenTask, Vocab
+from loopformer.tasks.common import (
+    check_bool,
+    check_range,
+    dataclass_options,
+    draw_in_split,
+    exact_match,
+    make_rng,
+    token_accuracy,
+)
 
 
 def _parity(p: tuple[int, ...]) -> int:
@@ -106,14 +121,17 @@ class WordProblemTask(TokenTask):
     length: int = 16          # n: elements per word (the knob)
     scan: str = "linear"      # intermediate states: "linear" (n - 1 steps, one neighbour each) | "doubling"
                               # (Hillis–Steele, ⌈log2 n⌉ levels: the shift 2^j changes with the step)
+    min_length: int = 0       # > 0: every row draws its length from min_length..length (padded at the end)
+    causal: bool = False      # read under a causal mask (prefix products need only the past; pads stay unseen)
 
     name = "word_problem"
-    causal = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.group, str):
             raise UserError(f"option group must be a group name such as S5, A5 or Z60, got {self.group!r}")
         check_range("length", self.length, 1, 4096)
+        check_range("min_length", self.min_length, 0, self.length)
+        check_bool("causal", self.causal)
         if self.scan not in SCANS:
             raise UserError(f"option scan must be one of {', '.join(SCANS)}, got {self.scan!r}")
         names, self.table = group_elements(self.group)
@@ -129,8 +147,14 @@ class WordProblemTask(TokenTask):
     def _draw(self, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
         words = rng.integers(0, self.order, size=(n, self.length))
         levels = self.states(words, self.table) + 1                                       # [n,K,T] token ids
-        return {"inputs": (words + 1).astype(np.int32), "targets": levels[:, -1].astype(np.int32),
-                "step_targets": levels.astype(np.int32)}
+        inputs, targets = (words + 1).astype(np.int32), levels[:, -1].astype(np.int32)
+        size = np.full(n, self.length, dtype=np.int64)
+        if self.min_length:   # position i's states depend on g_1 .. g_i only: cut each row after its length
+            size = rng.integers(self.min_length, self.length + 1, size=n)
+            pad = np.arange(self.length)[None, :] >= size[:, None]                         # [n,T]
+            inputs[pad], targets[pad] = self.pad_id, IGNORE
+            levels = np.where(pad[:, None, :], IGNORE, levels)
+        return {"inputs": inputs, "targets": targets, "step_targets": levels.astype(np.int32), "size": size}
 
     def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
         return draw_in_split(self._draw, n, make_rng(seed, split), split)
@@ -139,11 +163,14 @@ class WordProblemTask(TokenTask):
         """accuracy: every prefix product right; last_accuracy: the whole word's product right; token_accuracy:
         prefix products right."""
         pred, targets = np.asarray(pred), np.asarray(batch["targets"])
+        rows = np.arange(len(pred))
+        last = np.asarray(batch["size"]) - 1 if "size" in batch else np.full(len(pred), self.length - 1)
         return {"accuracy": float(exact_match(pred, targets).mean()) if len(pred) else float("nan"),
-                "last_accuracy": float((pred[:, -1] == targets[:, -1]).mean()) if len(pred) else float("nan"),
+                "last_accuracy": float((pred[rows, last] == targets[rows, last]).mean()) if len(pred) else float("nan"),
                 "token_accuracy": token_accuracy(pred, targets)}
 
     def decode_row(self, batch: dict[str, np.ndarray], i: int) -> str:
-        w = " ".join(self.vocab.decode(batch["inputs"][i]))
-        p = " ".join(self.vocab.decode(batch["targets"][i]))
+        m = int(batch["size"][i]) if "size" in batch else self.length
+        w = " ".join(self.vocab.decode(batch["inputs"][i][:m]))
+        p = " ".join(self.vocab.decode(batch["targets"][i][:m]))
         return f"{self.group} word {w}  -> prefix products {p}"

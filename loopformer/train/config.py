@@ -75,6 +75,8 @@ class TrainConfig:
     loops_max: int = 0                # 0: model.loops
     loops_sample_per: str = "batch"   # "batch": one R per step | "row": one per row (each row stops after its own
                                       # loops; the step runs the batch's largest; needs loss_loops=last)
+    loop_jitter: int = 0              # with model.loop_rule: every row runs T(n) + U{0..loop_jitter} loops in training
+                                      # (the answer must hold past T(n)); a pure function of (seed, step)
     consistency: float = 0.0          # weight of the agreement of the read-out at R with a stop-gradient read-out at
                                       # a larger budget (KL; squared error for regression); 0: off
     consistency_budget: str = "double"  # the target's budget: "double" min(2R, loops_max) | "max" loops_max (the
@@ -151,6 +153,7 @@ class TrainConfig:
         _need(self.loops_sample_per in SAMPLE_PER,
               f"train.loops_sample_per must be one of {SAMPLE_PER} (got {self.loops_sample_per!r})")
         _need(self.loops_min >= 1 and self.loops_max >= 0, "train.loops_min must be >= 1 and train.loops_max >= 0")
+        _need(0 <= self.loop_jitter <= 1024, f"train.loop_jitter must be in 0..1024 (got {self.loop_jitter})")
         _need(self.consistency >= 0 and self.fixed_point >= 0, "train.consistency and train.fixed_point must be >= 0")
         _need(math.isfinite(self.jacobian) and self.jacobian >= 0,
               f"train.jacobian must be a finite number >= 0 (got {self.jacobian})")
@@ -235,6 +238,17 @@ class RunConfig:
                                            "train.loops_sample_per=batch")
                 _need(not (m.exit_gate and tr.exit_loss_weight > 0),
                       "train.loops_sample_per=row cannot train an exit gate (use loops_sample_per=batch)")
+        if m.loop_rule != "fixed":
+            _need(not tr.samples_budgets and tr.loops_start == 0,
+                  f"model.loop_rule={m.loop_rule} sets every row's loops from its size: it excludes train.loops_sample "
+                  "and the loop curriculum (random loops on top of the rule: train.loop_jitter)")
+            _need(m.supervision_steps == 1 and m.solver == "unroll",
+                  "model.loop_rule runs each row its own loops: it needs supervision_steps = 1 and solver=unroll")
+            _need(tr.fixed_point == 0 and tr.consistency == 0 and not (m.exit_gate and tr.exit_loss_weight > 0),
+                  "model.loop_rule scores each row after its own loops: train.fixed_point, train.consistency and "
+                  "an exit gate's loss are not available with it")
+        else:
+            _need(tr.loop_jitter == 0, "train.loop_jitter adds loops to a loop rule's: set model.loop_rule")
         if (tr.consistency > 0 or tr.fixed_point > 0) and m.supervision_steps != 1:
             raise ValueError("train.consistency and train.fixed_point need model.supervision_steps = 1")
         if tr.loss_loops == "window":

@@ -43,6 +43,7 @@ from loopformer.eval.run import check_eval_config, evaluate_all
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, state_grad_norms, summarize_settle
 from loopformer.model.fixedpoint import solve_record
 from loopformer.model.io import load_training_state, load_weights, save_checkpoint
+from loopformer.model.lengths import LoopRule, check_covers, jitter
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
 from loopformer.model.memory import check_fits, estimate
 from loopformer.model.options import LoopOptions
@@ -142,7 +143,8 @@ def step_scope(cfg: RunConfig) -> str:
     """What a compiled step compiles ("step" or "block", `loopformer.train.compiling.compile_scope`)."""
     tc, R = cfg.train, cfg.model.loops
     curriculum = 0 < tc.loops_start < R
-    return compile_scope(tc.compile_scope, R, varying=tc.samples_budgets or curriculum)
+    varying = tc.samples_budgets or curriculum or cfg.model.loop_rule != "fixed"
+    return compile_scope(tc.compile_scope, R, varying=varying)
 
 
 def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
@@ -158,7 +160,7 @@ def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
     tc, R = cfg.train, cfg.model.loops
     if step_scope(cfg) == "block":           # one graph for every loop count
         return total >= COMPILE_MIN_STEPS and can_compile(device)
-    if tc.samples_budgets:                   # drawn loop counts: few steps at any one of them
+    if tc.samples_budgets or cfg.model.loop_rule != "fixed":   # loop counts drawn or per size: few steps at any one
         return False
     # the first step of the loop curriculum (`loops_at`) at R loops: after ceil((R − start) / increment) rises
     first = 0 if tc.loops_start <= 0 else -(-max(0, R - tc.loops_start) // tc.loops_increment) * tc.loops_every
@@ -278,10 +280,13 @@ class Trainer:
         if cfg.eval.votes:
             self.data.check_votes()
         self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
+        self.rule = LoopRule.parse(cfg.model.loop_rule)     # loops from each row's size (length generalisation)
+        check_covers(self.rule, cfg.model.loops, self.data.largest_size())
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
             half = self.autocast is not contextlib.nullcontext
-            hi = max(cfg.model.loops, budget_range(tc, cfg.model.loops)[1] if tc.samples_budgets else 0)
+            hi = max(cfg.model.loops, budget_range(tc, cfg.model.loops)[1] if tc.samples_budgets else 0) \
+                + tc.loop_jitter
             check_fits(estimate(cfg.model.replace(loops=hi), batch=self.B // (d.world * tc.grad_accum), training=True,
                                 read_outs=loss_loops(tc, hi) or 1, ema=tc.ema_decay > 0,
                                 act_bytes=2 if half else 4), d.device,
@@ -511,6 +516,11 @@ class Trainer:
             mine_b = np.array_split(budgets, d.world)[d.rank]
             for m, b in zip(fetched, np.array_split(mine_b, tc.grad_accum)):
                 m["row_loops"] = torch.from_numpy(b)
+        if not self.rule.fixed:                                  # T(n) per row (+ jitter), from the rows' sizes
+            extra = np.array_split(jitter(cfg.seed, step, self.B, tc.loop_jitter), d.world)[d.rank]   # [B] -> mine
+            for m, j in zip(fetched, np.array_split(extra, tc.grad_accum)):
+                m["row_loops"] = torch.from_numpy(self.rule.loops(m["size"].numpy(), cfg.model.loops) + j)
+            self.loops = max(int(m["row_loops"].max()) for m in fetched)
         counts = [supervised_count(m["targets"], m.get("weight")) for m in fetched]   # before the copy
         if not self.trains_gate and cfg.model.head != "sequence":   # the read-out only where the loss looks
             for m in fetched:
@@ -747,6 +757,9 @@ class Trainer:
                 **({"budgets": budgets} if budgets else {}),
                 **({"halting_sweep": sweep} if sweep else {}),
                 **({"drift": drift} if drift else {}),
+                **({"lengths": final["lengths"]} if "lengths" in final else {}),
+                **({"loop_rule": cfg.model.loop_rule, "loop_jitter": tc.loop_jitter}
+                   if cfg.model.loop_rule != "fixed" else {}),
                 **({"skipped_steps": self.spikes.skipped} if self.spikes is not None else {}),
                 **({"loops_sample": {"kind": tc.loops_sample, "per": tc.loops_sample_per,
                                      "range": list(budget_range(tc, cfg.model.loops))}}

@@ -1,0 +1,133 @@
+"""Accuracy against input length, and against loops at each length (length generalisation; `loopformer eval RUN
+--lengths 8,16,32,64`, `eval.lengths` in a run config).
+
+For every length n the model's task is regenerated with option length = n (every row of size n; for the
+variable-size tasks, `loopformer.tasks.algorithmic`, and the word problem, min_length 0), from the run's data seed
+(test rows, disjoint from its training rows), and the model runs T(n) loops — its loop rule's (`model.loop_rule`,
+`loopformer.model.lengths`; r for a fixed rule) or the loops given — with the read-out after every loop up to
+2·T(n) (or the loops given as the most), so one pass gives the metric at T(n), past it (does the answer hold?) and
+at the best loop. Rows longer than a model with learned positions has, or loop counts past the evaluation cap, are
+one-line errors.
+
+Shapes: R loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from loopformer.errors import UserError
+from loopformer.eval.evaluate import fixed_depth
+from loopformer.model.lengths import LoopRule
+from loopformer.model.memory import check_loops
+from loopformer.sources import DataSource, check_data_fits
+
+MAX_LENGTHS = 64    # lengths in one evaluation
+
+
+def parse_lengths(text: str | list) -> list[int]:
+    """Lengths from "8,16,32" (or a list): sorted, without repeats; anything but integers >= 1 is a UserError."""
+    items = [str(p).strip() for p in (text.split(",") if isinstance(text, str) else text)]
+    out = []
+    for item in items:
+        try:
+            n = int(item)
+        except ValueError:
+            raise UserError(f"--lengths: {item!r} is not a whole number (write e.g. 8,16,32)") from None
+        if n < 1:
+            raise UserError(f"--lengths: every length must be >= 1 (got {n})")
+        out.append(n)
+    if not out:
+        raise UserError("--lengths: give at least one length (e.g. 8,16,32)")
+    if len(set(out)) > MAX_LENGTHS:
+        raise UserError(f"--lengths: at most {MAX_LENGTHS} lengths in one evaluation (got {len(set(out))})")
+    return sorted(set(out))
+
+
+def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, loops: int = 0, max_loops: int = 0,
+                 batch_size: int = 256, limit: int = 0, device: torch.device | None = None,
+                 autocast: Callable[[], Any] | None = None, progress: bool = False) -> dict[str, Any]:
+    """The metric of `raw` (the model itself) at every length of `lengths` on `data`'s task regenerated at that
+    length: `limit` rows (0: the run's test rows) per length, T(n) loops (`loops` > 0: that many at every length),
+    the loop-wise curve up to `max_loops` (0: 2·T(n)).
+
+    Returns {"rule", "formula", "metric", "higher_is_better", "trained_size" (the largest training size, None when
+    the rows record none), "lengths": [{"length", "loops", "max_loops", "metric" (at T(n)), "at_2x" (at 2·T(n), None
+    when the curve stops before), "best", "best_loop", "loopwise" [metric after loop 1..R], "metrics" (every metric
+    at T(n))}]}."""
+    cfg = raw.config
+    rule = LoopRule.parse(cfg.loop_rule)
+    lengths = parse_lengths(lengths)
+    rows = limit or data.cfg.n_test
+    plan = []
+    for n in lengths:                                      # every length checked before the first one runs
+        d_n, task_n = data.at_length(n, rows)
+        check_data_fits(d_n, task_n, cfg)
+        R = loops or rule.at(n, cfg.loops)
+        M = max(R, max_loops or 2 * R)
+        check_loops(R, cfg.total_loops, "loops")
+        check_loops(M, cfg.total_loops, "max_loops")
+        plan.append((n, d_n, R, M))
+    out = []
+    for n, d_n, R, M in plan:
+        res = fixed_depth(raw, d_n, loops=R, max_loops=M, batch_size=batch_size, limit=0, loopwise=True,
+                          device=device, autocast=autocast or contextlib.nullcontext, progress=progress, votes=0,
+                          step_halt=0.5, per_row=False)
+        curve = [float(p[data.metric]) for p in res["loopwise"]] or [float(res["metrics"][data.metric])]
+        pick = max if data.higher_is_better else min
+        best = pick(range(len(curve)), key=lambda t: curve[t])
+        out.append({"length": n, "loops": R, "max_loops": M, "metric": curve[R - 1],
+                    "at_2x": curve[2 * R - 1] if len(curve) >= 2 * R else None, "best": curve[best],
+                    "best_loop": best + 1, "loopwise": curve, "metrics": res["metrics"]})
+    return {"rule": str(rule), "formula": rule.describe(), "metric": data.metric,
+            "higher_is_better": data.higher_is_better, "trained_size": data.largest_size(), "lengths": out}
+
+
+def format_lengths(res: dict[str, Any]) -> str:
+    """A markdown table: per length, the loops run, the metric at T(n), at 2·T(n) and at the best loop."""
+    m, trained = res["metric"], res.get("trained_size")
+    pct = (lambda v: "—" if v is None else f"{100 * v:.1f}") if m == "accuracy" else \
+        (lambda v: "—" if v is None else f"{v:.4g}")
+    lines = [f"loops T(n) = {res['formula']}" + (f"; trained on sizes up to {trained}" if trained else ""), "",
+             f"| length n | loops T(n) | {m} at T(n) | at 2·T(n) | best (loop) |", "|---:|---:|---:|---:|---|"]
+    for p in res["lengths"]:
+        mark = "" if trained is None or p["length"] <= trained else " ×" + f"{p['length'] / trained:g}"
+        lines.append(f"| {p['length']}{mark} | {p['loops']} | {pct(p['metric'])} | {pct(p['at_2x'])} | "
+                     f"{pct(p['best'])} ({p['best_loop']}) |")
+    return "\n".join(lines)
+
+
+def lengths_plot(res: dict[str, Any], path: str, title: str = "") -> None:
+    """Two panels (PNG): the metric at T(n) against the length n (the largest training size marked), and the metric
+    against loops at each length (T(n) marked on each curve)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["lengths"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot([p["length"] for p in rows], [p["metric"] for p in rows], "o-")
+    if res.get("trained_size"):
+        a.axvline(res["trained_size"], ls="--", c="gray", lw=1, label="largest training size")
+        a.legend(loc="best", fontsize=8)
+    a.set_xscale("log", base=2)
+    a.set_xlabel("length n")
+    a.set_ylabel(f"{res['metric']} at T(n) loops")
+    for p in rows:
+        t = range(1, len(p["loopwise"]) + 1)
+        (line,) = b.plot(t, p["loopwise"], label=f"n = {p['length']}")
+        b.plot([p["loops"]], [p["metric"]], "o", c=line.get_color())
+    b.set_xlabel("loops")
+    b.set_ylabel(res["metric"])
+    b.legend(loc="best", fontsize=8)
+    fig.suptitle(title or f"loops T(n) = {res['formula']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["parse_lengths", "length_curve", "format_lengths", "lengths_plot"]

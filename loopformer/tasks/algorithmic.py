@@ -1,0 +1,221 @@
+"""Algorithmic tasks of variable size for length generalisation: parity, copy / reverse, binary addition, binary sum.
+
+In the spirit of the set of Fan et al. (ICLR 2025, "Looped Transformers for Length Generalization"): small
+problems whose natural algorithm takes a number of steps that grows with the input, so a model that loops T(n)
+times can be trained on sizes up to n and run at 2n and 4n (`model.loop_rule`, `loopformer eval --lengths`).
+
+Every row has a size n — the number of bits or symbols of its problem — drawn uniformly from min_length..length
+(`min_length` 0: every row has n = length) and recorded in `size` [N]. Rows are causal (teacher-forced exact match
+over the answer equals greedy decoding, `loopformer.tasks.common`) and padded at the end, so under the causal mask
+no real token ever sees a pad and a row of size n is the same computation whatever the padding. Every row starts
+with <bos>, a token a causal model without position encodings (`model.pos=none`) can count positions from:
+
+    parity      <bos> b_1 … b_n = p <eos>                  p = b_1 xor … xor b_n              T = length + 4
+    copy        <bos> x_1 … x_n = x_1 … x_n <eos>          (reverse: x_n … x_1)               T = 2·length + 3
+    addition    <bos> a_1 … a_n + c_1 … c_n = s_1 … s_{n+1} <eos>                             T = 3·length + 5
+                binary, least significant bit first (a = Σ a_i·2^(i-1)), s = a + c
+    binary_sum  <bos> b_1 … b_n = s_1 … s_w <eos>          s = b_1 + … + b_n in binary, least significant bit
+                                                           first, w = bit_length(n) bits      T = length + w + 3
+
+Arrays: inputs / targets [N, T] (targets IGNORE outside the answer and its <eos>), answer_start [N] (the index of
+the first answer token), length [N] (non-pad tokens), size [N] (n). Splits are disjoint by a hash of the whole
+row (`loopformer.tasks.common.draw_in_split`). Every answer is checked against a brute-force reference in the
+tests (Python integers, one row at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from loopformer.tasks.base import TokenTask, Vocab
+from loopformer.tasks.common import (
+    answer_region,
+    causal_targets,
+    check_bool,
+    check_range,
+    dataclass_options,
+    draw_in_split,
+    exact_match,
+    make_rng,
+    token_accuracy,
+)
+
+MAX_LENGTH = 1024
+SPECIALS = ["<pad>", "=", "<eos>", "<bos>"]
+EQ, EOS, BOS = 1, 2, 3
+
+
+@dataclass
+class LengthTask(TokenTask):
+    """The common part of the variable-size tasks: sizes, the causal layout, metrics. A subclass sets `symbols`
+    (its token strings after the specials), `width` (random draws per row) and `max_row` and writes `solve`."""
+
+    length: int = 16          # n: the largest size (every size with min_length = 0)
+    min_length: int = 0       # > 0: sizes drawn uniformly from min_length..length
+
+    causal = True
+    symbols: ClassVar[list[str]] = []
+
+    def __post_init__(self) -> None:
+        check_range("length", self.length, 1, MAX_LENGTH)
+        check_range("min_length", self.min_length, 0, self.length)
+        self.check_options()
+        self.vocab = Vocab(SPECIALS + self.symbols)
+        self.seq_len = self.max_row(self.length)
+
+    # ---------------------------------------------------------------- what a task defines
+    def check_options(self) -> None:
+        """One-line UserErrors for the task's own options."""
+
+    def max_row(self, n: int) -> int:
+        """Tokens of a row of size n, <bos> and <eos> included."""
+        raise NotImplementedError
+
+    def width(self) -> int:
+        """Random draws per row (each in 0..draw_range - 1)."""
+        return self.length
+
+    draw_range = 2
+
+    def solve(self, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(problem tokens [m, P], answer tokens [m, A]) as token ids, for rows of size n from their random draws
+        x [m, width]."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- the contract
+    def options(self) -> dict:
+        return dataclass_options(self)
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """The smallest and largest size of a row."""
+        return (self.min_length or self.length), self.length
+
+    def _draw(self, rng: np.random.Generator, m: int) -> dict[str, np.ndarray]:
+        lo, hi = self.sizes
+        size = rng.integers(lo, hi + 1, size=m)
+        x = rng.integers(0, self.draw_range, size=(m, self.width()))
+        rows = np.zeros((m, self.seq_len), dtype=np.int32)
+        start, length = np.zeros(m, np.int64), np.zeros(m, np.int64)
+        for n in np.unique(size):
+            sel = np.flatnonzero(size == n)
+            prob, ans = self.solve(x[sel], int(n))
+            P, A = prob.shape[1] + 1, ans.shape[1]                       # P: <bos> and the problem
+            rows[sel, 0] = BOS
+            rows[sel, 1:P] = prob
+            rows[sel, P] = EQ
+            rows[sel, P + 1:P + 1 + A] = ans
+            rows[sel, P + 1 + A] = EOS
+            start[sel], length[sel] = P + 1, P + A + 2
+        return {"inputs": rows, "targets": causal_targets(rows, start, length), "answer_start": start,
+                "length": length, "size": size.astype(np.int64)}
+
+    def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
+        return draw_in_split(self._draw, n, make_rng(seed, split), split)
+
+    def metrics(self, pred: np.ndarray, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """accuracy: the whole answer (and its <eos>) right; token_accuracy: answer tokens right."""
+        pred, targets = np.asarray(pred), np.asarray(batch["targets"])
+        if not len(pred):
+            return {"accuracy": float("nan"), "token_accuracy": float("nan")}
+        return {"accuracy": float(exact_match(pred, targets).mean()), "token_accuracy": token_accuracy(pred, targets)}
+
+    def decode_row(self, batch: dict[str, np.ndarray], i: int) -> str:
+        row = batch["inputs"][i][:int(batch["length"][i])]
+        return f"n={int(batch['size'][i])}  " + " ".join(self.vocab.decode(row))
+
+    def answers(self, batch: dict[str, np.ndarray]) -> list[list[str]]:
+        """Each row's answer tokens (without <eos>) as strings."""
+        width = int((batch["length"] - batch["answer_start"]).max()) - 1 if len(batch["length"]) else 0
+        region = answer_region(batch["inputs"], batch["answer_start"], max(width, 0))
+        n_ans = batch["length"] - batch["answer_start"] - 1
+        return [self.vocab.decode(region[i, :n_ans[i]]) for i in range(len(region))]
+
+
+def _bits(task: LengthTask, bits: np.ndarray) -> np.ndarray:
+    """Bits 0/1 as the token ids of "0" / "1"."""
+    return bits.astype(np.int32) + task.vocab.index["0"]
+
+
+@dataclass
+class ParityTask(LengthTask):
+    """The parity of n random bits."""
+
+    name = "parity"
+    symbols: ClassVar[list[str]] = ["0", "1"]
+
+    def max_row(self, n: int) -> int:
+        return n + 4
+
+    def solve(self, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        b = x[:, :n]
+        return _bits(self, b), _bits(self, b.sum(axis=1, keepdims=True) % 2)
+
+
+@dataclass
+class CopyTask(LengthTask):
+    """n random symbols, written again (or reversed)."""
+
+    alphabet: int = 2         # symbols a, b, … (2..26)
+    reverse: bool = False     # the answer is the input reversed
+
+    name = "copy"
+
+    def check_options(self) -> None:
+        check_range("alphabet", self.alphabet, 2, 26)
+        check_bool("reverse", self.reverse)
+        self.symbols = [chr(ord("a") + i) for i in range(self.alphabet)]
+        self.draw_range = self.alphabet
+
+    def max_row(self, n: int) -> int:
+        return 2 * n + 3
+
+    def solve(self, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        s = x[:, :n].astype(np.int32) + len(SPECIALS)
+        return s, (s[:, ::-1] if self.reverse else s)
+
+
+@dataclass
+class AdditionTask(LengthTask):
+    """The sum of two random n-bit numbers, least significant bit first."""
+
+    name = "addition"
+    symbols: ClassVar[list[str]] = ["0", "1", "+"]
+
+    def max_row(self, n: int) -> int:
+        return 3 * n + 5
+
+    def width(self) -> int:
+        return 2 * self.length
+
+    def solve(self, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        a, c = x[:, :n], x[:, self.length:self.length + n]
+        s = np.zeros((len(x), n + 1), dtype=np.int64)
+        carry = np.zeros(len(x), dtype=np.int64)
+        for i in range(n):                                   # ripple carry, one column at a time
+            t = a[:, i] + c[:, i] + carry
+            s[:, i], carry = t % 2, t // 2
+        s[:, n] = carry
+        plus = np.full((len(x), 1), self.vocab.index["+"], dtype=np.int32)
+        return np.concatenate([_bits(self, a), plus, _bits(self, c)], axis=1), _bits(self, s)
+
+
+@dataclass
+class BinarySumTask(LengthTask):
+    """The number of ones among n random bits, in binary, least significant bit first."""
+
+    name = "binary_sum"
+    symbols: ClassVar[list[str]] = ["0", "1"]
+
+    def max_row(self, n: int) -> int:
+        return n + int(n).bit_length() + 3
+
+    def solve(self, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        b = x[:, :n]
+        count = b.sum(axis=1)
+        w = int(n).bit_length()
+        return _bits(self, b), _bits(self, (count[:, None] >> np.arange(w)[None, :]) & 1)
+

@@ -1,0 +1,284 @@
+"""Length generalisation: the variable-size tasks against brute force, the word problem with variable lengths, loop
+rules T(n) by hand, training with a loop count per row from its size, and `eval --lengths` (table, JSON, plot,
+refusals)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from loopformer.cli import main
+from loopformer.errors import UserError
+from loopformer.eval.lengths import parse_lengths
+from loopformer.model import LoopedTransformer
+from loopformer.model.config import ModelConfig
+from loopformer.model.io import load, resolve_checkpoint
+from loopformer.model.lengths import LoopRule, jitter
+from loopformer.model.options import LoopOptions
+from loopformer.sources import TaskConfig, make_data
+from loopformer.tasks import IGNORE, get_task
+from loopformer.tasks.common import causal_targets
+from loopformer.tasks.word_problem import group_elements
+from loopformer.train.config import load_run_config
+from loopformer.train.distributed import setup, teardown
+from loopformer.train.trainer import Trainer
+
+
+# ----------------------------------------------------------------------------------------------- brute force
+def _bits_value(bits: list[str]) -> int:
+    """A binary number written least significant bit first."""
+    return sum(int(b) << i for i, b in enumerate(bits))
+
+
+def _reference(name: str, options: dict, problem: list[str], n: int) -> list[str]:
+    """The answer of one row from its problem tokens, with Python integers and lists."""
+    if name == "parity":
+        assert len(problem) == n
+        return [str(sum(map(int, problem)) % 2)]
+    if name == "copy":
+        assert len(problem) == n
+        return problem[::-1] if options.get("reverse") else list(problem)
+    if name == "addition":
+        assert len(problem) == 2 * n + 1 and problem[n] == "+"
+        s = _bits_value(problem[:n]) + _bits_value(problem[n + 1:])
+        return [str((s >> i) & 1) for i in range(n + 1)]
+    if name == "binary_sum":
+        count = sum(map(int, problem))
+        return [str((count >> i) & 1) for i in range(n.bit_length())]
+    raise AssertionError(name)
+
+
+CASES = [("parity", {}), ("copy", {}), ("copy", {"reverse": True, "alphabet": 5}), ("addition", {}),
+         ("binary_sum", {})]
+
+
+@pytest.mark.parametrize("name,options", CASES)
+def test_answers_match_brute_force_at_every_size(name, options):
+    task = get_task(name, length=9, min_length=1, **options)
+    b = task.generate(600, seed=3, split="train")
+    assert set(np.unique(b["size"])) == set(range(1, 10))           # every size drawn
+    for i in range(len(b["inputs"])):
+        n, start, end = int(b["size"][i]), int(b["answer_start"][i]), int(b["length"][i])
+        toks = task.vocab.decode(b["inputs"][i])
+        assert toks[start - 1] == "=" and toks[end - 1] == "<eos>"
+        assert all(t == "<pad>" for t in toks[end:])                 # padded at the end only
+        assert toks[0] == "<bos>" and toks[start:end - 1] == _reference(name, options, toks[1:start - 1], n)
+    assert np.array_equal(b["targets"], causal_targets(b["inputs"], b["answer_start"], b["length"]))
+    assert b["inputs"].shape[1] == task.seq_len
+
+
+@pytest.mark.parametrize("name,options", CASES)
+def test_fixed_size_rows_and_disjoint_deterministic_splits(name, options):
+    task = get_task(name, length=7, **options)
+    train, test = task.generate(400, 0, "train"), task.generate(200, 0, "test")
+    assert (train["size"] == 7).all() and (test["size"] == 7).all()
+    seen = {r.tobytes() for r in train["inputs"]}
+    assert not any(r.tobytes() in seen for r in test["inputs"])
+    again = task.generate(400, 0, "train")
+    assert all(np.array_equal(train[k], again[k]) for k in train)
+    assert task.metrics(train["targets"], train) == {"accuracy": 1.0, "token_accuracy": 1.0}
+    wrong = train["targets"].copy()
+    wrong[0, train["answer_start"][0] - 1] = 0
+    assert task.metrics(wrong, train)["accuracy"] == pytest.approx(1 - 1 / 400)
+
+
+@pytest.mark.parametrize("bad,needle", [({"length": 0}, "length must be >= 1"),
+                                        ({"length": 4, "min_length": 5}, "min_length must be <= 4"),
+                                        ({"length": 4, "min_length": -1}, "min_length must be >= 0")])
+def test_bad_size_options(bad, needle):
+    with pytest.raises(UserError, match=needle):
+        get_task("parity", **bad)
+
+
+def test_word_problem_with_variable_lengths_is_the_prefix_products_of_each_prefix():
+    task = get_task("word_problem", group="S3", length=8, min_length=2, causal=True)
+    names, table = group_elements("S3")
+    b = task.generate(300, seed=1, split="test")
+    sizes = set(np.unique(b["size"]).tolist())     # (the 36 rows of size 2 may all hash into other splits)
+    assert task.causal and set(range(3, 9)) <= sizes <= set(range(2, 9))
+    for i in range(len(b["inputs"])):
+        m = int(b["size"][i])
+        assert (b["inputs"][i, m:] == task.pad_id).all() and (b["targets"][i, m:] == IGNORE).all()
+        p = None
+        for j in range(m):                                            # prefix products by hand
+            g = int(b["inputs"][i, j]) - 1
+            p = g if p is None else int(table[p, g])
+            assert b["targets"][i, j] == p + 1
+        steps = b["step_targets"][i]                                  # the linear scan reaches its answer by m - 1
+        assert (steps[:, m:] == IGNORE).all() and (steps[m - 2:, :m] == b["targets"][i, :m]).all()
+    assert task.metrics(b["targets"], b)["last_accuracy"] == 1.0
+    fixed = get_task("word_problem", group="S3", length=8)
+    assert not fixed.causal and (fixed.generate(10, 0)["size"] == 8).all()
+
+
+# ------------------------------------------------------------------------------------------------ loop rules
+@pytest.mark.parametrize("text,sizes,want", [
+    ("linear:1,0", [1, 2, 8, 33], [1, 2, 8, 33]),
+    ("linear:2,1", [1, 5], [3, 11]),
+    ("linear:0.5,0", [1, 3, 4], [1, 2, 2]),       # ⌈n/2⌉, at least one loop
+    ("log:1,1", [1, 2, 3, 8, 9], [1, 2, 3, 4, 5]),  # ⌈log2 n⌉ + 1
+    ("log:2,0", [1, 16, 17], [1, 8, 10]),
+    ("fixed", [1, 100], [7, 7]),
+])
+def test_loop_rules_by_hand(text, sizes, want):
+    rule = LoopRule.parse(text)
+    assert rule.loops(sizes, 7).tolist() == want
+    assert str(LoopRule.parse(str(rule))) == str(rule)
+
+
+@pytest.mark.parametrize("text", ["linear", "linear:1", "linear:0,1", "linear:-1,0", "log:a,b", "quadratic:1,0",
+                                  "fixed:3", "linear:inf,0"])
+def test_bad_loop_rules_name_the_field(text):
+    with pytest.raises(ValueError, match="loop_rule"):
+        ModelConfig(vocab_size=4, loop_rule=text)
+
+
+def test_jitter_is_a_function_of_seed_and_step():
+    a, b = jitter(0, 5, 64, 3), jitter(0, 5, 64, 3)
+    assert np.array_equal(a, b) and a.min() >= 0 and a.max() <= 3 and len(set(a.tolist())) == 4
+    assert not np.array_equal(a, jitter(0, 6, 64, 3)) and (jitter(0, 5, 8, 0) == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------- training
+LG = ["task.name=parity", "task.options={length: 6, min_length: 1}", "task.n_train=256", "task.n_test=32",
+      "model.d_model=16", "model.n_heads=2", "model.pos=none", "model.input_injection=true", "model.loops=6",
+      "model.loop_rule=linear:1,0", "train.steps=3", "train.batch_size=8", "train.log_every=1",
+      "log.tensorboard=false", "log.progress=false", "log.dynamics=false", "eval.max_loops=8", "eval.drift=false"]
+
+
+def _train(folder, *extra, base=tuple(LG)) -> int:
+    """`loopformer train` of the tiny length config (`base`) with `extra` overrides into folder/r."""
+    (folder / "lg.yaml").write_text("name: lg\n")
+    return main(["train", str(folder / "lg.yaml"), "--quiet", *base, f"out_dir={folder / 'r'}", *extra])
+
+
+def test_each_row_runs_the_loops_of_its_size(tmp_path):
+    cfg = load_run_config(None, [*LG, f"out_dir={tmp_path / 'r'}", "train.loop_jitter=2", "train.grad_accum=2"])
+    d = setup("cpu")
+    try:
+        tr = Trainer(cfg, d, resume=False, overwrite=True)
+        micro, _ = tr._micro_batches(4)
+    finally:
+        teardown()
+    extra = np.array_split(jitter(cfg.seed, 4, 8, 2), 2)
+    for m, j in zip(micro, extra):
+        assert m["row_loops"].tolist() == (m["size"].numpy() + j).tolist()
+    assert tr.loops == max(int(m["row_loops"].max()) for m in micro)
+
+
+def test_a_row_with_its_own_loops_equals_a_run_of_that_many():
+    cfg = load_run_config(None, LG)
+    model = LoopedTransformer(cfg.model).eval()
+    task = get_task("parity", length=6, min_length=1)
+    b = task.generate(16, 0, "test")
+    x = torch.as_tensor(b["inputs"], dtype=torch.long)
+    rows = torch.as_tensor(b["size"])
+    with torch.no_grad():
+        out = model(x, loops=int(rows.max()), opts=LoopOptions(row_loops=rows)).logits
+        for i in range(len(x)):
+            alone = model(x[i:i + 1], loops=int(rows[i])).logits
+            assert torch.allclose(out[i], alone[0], atol=1e-5)
+
+
+def test_training_with_a_loop_rule_end_to_end_and_eval_lengths(tmp_path, capsys):
+    run = tmp_path / "r"
+    assert _train(tmp_path, "eval.lengths=[8,12]") == 0
+    res = json.loads((run / "results.json").read_text())
+    assert res["loop_rule"] == "linear:1,0" and [p["length"] for p in res["lengths"]["lengths"]] == [8, 12]
+    assert [p["loops"] for p in res["lengths"]["lengths"]] == [8, 12] and res["lengths"]["trained_size"] == 6
+    capsys.readouterr()
+    out_json = tmp_path / "l.json"
+    plot = tmp_path / "l.png"
+    assert main(["eval", str(run), "--lengths", "24,5,10", "--json", str(out_json), "--plot", str(plot),
+                 "--quiet", "-n", "20"]) == 0
+    text = capsys.readouterr().out
+    assert "| 24 ×4 | 24 |" in text and "⌈1·n + 0⌉" in text
+    got = json.loads(out_json.read_text())["lengths"]["lengths"]
+    assert [p["loops"] for p in got] == [5, 10, 24] and [p["max_loops"] for p in got] == [10, 20, 48]
+    assert all(len(p["loopwise"]) == p["max_loops"] and p["metric"] == p["loopwise"][p["loops"] - 1] for p in got)
+    assert plot.stat().st_size > 0
+    # the same length's metric by hand: every row of size 10 run 10 loops
+    model = load(resolve_checkpoint(str(run)), device=torch.device("cpu")).eval()
+    task = get_task("parity", length=10)
+    b = task.generate(20, 0, "test")
+    with torch.no_grad():
+        pred = model(torch.as_tensor(b["inputs"], dtype=torch.long), loops=10).logits.argmax(-1).numpy()
+    assert got[1]["metric"] == pytest.approx(task.metrics(pred, b)["accuracy"])
+    # --loops: that many at every length
+    assert main(["eval", str(run), "--lengths", "9,8", "--loops", "5", "--json", str(out_json), "--quiet",
+                 "-n", "10", "--no-loopwise"]) == 0
+    assert [p["loops"] for p in json.loads(out_json.read_text())["lengths"]["lengths"]] == [5, 5]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("lg")
+    assert _train(base) == 0
+    (base / "r").rename(base / "rule")
+    assert _train(base, "model.pos=learned", "model.loop_rule=fixed", "train.steps=1") == 0
+    (base / "r").rename(base / "learned")
+    return base
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--lengths", "0"], "every length must be >= 1"),
+    (["--lengths", "4,-2"], "every length must be >= 1"),
+    (["--lengths", "4,x"], "not a whole number"),
+    (["--lengths", ","], "not a whole number"),
+    (["--lengths", "2000"], "length must be <= 1024"),
+    (["--lengths", "4", "--loops", "5000"], "loops"),
+])
+def test_eval_lengths_bad_values(tiny_runs, capsys, args, needle):
+    before = sorted(p.name for p in (tiny_runs / "rule").iterdir())
+    assert main(["eval", str(tiny_runs / "rule"), *args, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in (tiny_runs / "rule").iterdir()) == before
+
+
+def test_eval_lengths_past_learned_positions(tiny_runs, capsys):
+    assert main(["eval", str(tiny_runs / "learned"), "--lengths", "6,7", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "positions" in err and len(err.splitlines()) == 1
+
+
+def test_a_rule_must_cover_the_training_sizes(tmp_path, capsys):
+    assert _train(tmp_path, "model.loops=4") == 2
+    assert "model.loops=4 must be at least 6" in capsys.readouterr().err
+    assert _train(tmp_path, "task.name=lcs", "task.options={length: 3}",
+                  base=[a for a in LG if not a.startswith("task.options")]) == 2
+    assert "reads every row's size" in capsys.readouterr().err
+    assert _train(tmp_path, "train.loops_sample=uniform") == 2
+    assert "excludes train.loops_sample" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "checkpoint").exists()
+
+
+@given(st.lists(st.integers(min_value=-5, max_value=3000), min_size=1, max_size=8))
+def test_parse_lengths_property(values):
+    text = ",".join(map(str, values))
+    if min(values) < 1:
+        with pytest.raises(UserError, match=">= 1"):
+            parse_lengths(text)
+    else:
+        assert parse_lengths(text) == sorted(set(values))
+
+
+def test_length_curriculum_admits_larger_sizes_over_steps():
+    cfg = TaskConfig(name="parity", options={"length": 8, "min_length": 1}, n_train=400, n_test=8, length_start=2,
+                     length_every=10, length_increment=2)
+    data = make_data(cfg)
+    for step, largest in ((0, 2), (9, 2), (10, 4), (25, 6)):
+        sizes = data.train["size"][data.plan(step, 32)]
+        assert sizes.max() <= largest and data.curriculum_size(step) == largest
+        assert np.array_equal(data.plan(step, 32), make_data(cfg).plan(step, 32))     # a function of the step
+    assert data.curriculum_size(30) is None and data.train["size"][data.plan(30, 400)].max() == 8
+    with pytest.raises(UserError, match="record no size"):
+        make_data(TaskConfig(name="lcs", options={"length": 3}, n_train=8, n_test=8, length_start=2))
+    with pytest.raises(UserError, match="below the smallest"):
+        make_data(dataclasses.replace(cfg, options={"length": 8, "min_length": 4}))
