@@ -52,9 +52,9 @@ def reference_exits(m: LoopedTransformer, x: torch.Tensor, rule: HaltRule, loops
     return exits
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_each_row_returns_the_fixed_depth_run_at_its_exit_loop(causal):
-    m = model(causal)
+@pytest.mark.parametrize("causal,pos", [(False, "learned"), (True, "learned"), (True, "rope")])
+def test_each_row_returns_the_fixed_depth_run_at_its_exit_loop(causal, pos):
+    m = model(causal, pos=pos)
     x = torch.randint(0, 17, (7, 9))
     seen = set()
     for text in RULES:
@@ -152,9 +152,10 @@ def test_generation_exits_save_loops_and_fixed_depth_is_unchanged():
     assert early.exit_loops.float().mean() < 6
 
 
-@pytest.mark.parametrize("rule", ["kl:0.05", "entropy:2.0", "gate:0.5", "argmax:1", "latent:0.8,max=5"])
-def test_depthwise_batched_generation_gives_the_tokens_of_the_step_schedule(rule):
-    m = model(True, seed=1)
+@pytest.mark.parametrize("rule,pos", [("kl:0.05", "learned"), ("entropy:2.0", "learned"), ("gate:0.5", "learned"),
+                                      ("argmax:1", "learned"), ("latent:0.8,max=5", "learned"), ("kl:0.05", "rope")])
+def test_depthwise_batched_generation_gives_the_tokens_of_the_step_schedule(rule, pos):
+    m = model(True, seed=1, pos=pos)
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11], [12]]
     step = generate(m, prompts, SamplingConfig(max_new_tokens=9, temperature=0, halt=rule, schedule="step"))
     deep = generate(m, prompts, SamplingConfig(max_new_tokens=9, temperature=0, halt=rule))     # depth-wise

@@ -34,7 +34,9 @@ class ModelConfig:
     vocab_size: int = 0
     input_dim: int = 0
     max_len: int = 1024               # learned positions available
-    pos: str = "learned"              # "learned" | "none"
+    pos: str = "learned"              # "learned" (a trained vector per position < max_len) | "none" | "rope" (rotary:
+                                      # q·k depends on relative positions only; no length limit)
+    rope_base: float = 10000.0        # RoPE's base: angles p·base^(−2i/head_dim)
     pos_factors: list[list[int]] | None = None  # set by the task (task.position_factors): per factor, each
                                       # position's index in it (Sudoku: row, column, box); L1 adds one learned
                                       # table per factor to the position's embedding
@@ -136,7 +138,10 @@ class ModelConfig:
         need(self.n_layers >= 1, f"n_layers must be >= 1 (got {self.n_layers})")
         need(self.loops >= 1, f"loops must be >= 1 (got {self.loops})")
         need(self.max_len >= 1, "max_len must be >= 1")
-        need(self.pos in ("learned", "none"), f"pos must be 'learned' or 'none' (got {self.pos!r})")
+        need(self.pos in ("learned", "none", "rope"), f"pos must be 'learned', 'none' or 'rope' (got {self.pos!r})")
+        if self.pos == "rope":
+            need(self.hd % 2 == 0, f"pos='rope' rotates pairs of a head's dimensions: head_dim={self.hd} must be even")
+            need(math.isfinite(self.rope_base) and self.rope_base > 1, "rope_base must be > 1")
         for f in self.pos_factors or []:
             need(len(f) >= self.max_len and min(f) >= 0,
                  f"pos_factors: every factor needs a non-negative index for each of the max_len={self.max_len} "

@@ -40,6 +40,8 @@ class Running:
     going: torch.Tensor | None        # [n,T] per token: the tokens not stopped yet
     logits: torch.Tensor | None = None   # [n,T,C] the last loop's read-out (criteria comparing loops)
     kv: RunningKV | None = None          # the last loop's view of the cache (per token)
+    rope: tuple | None = None            # their rotary tables (pos="rope"; [1,...] when shared by all rows)
+    rope_all: tuple | None = None        # the whole batch's
 
     def keep(self, stay: torch.Tensor, e: torch.Tensor, mask: torch.Tensor | None,
              positions: torch.Tensor | None) -> None:
@@ -48,6 +50,8 @@ class Running:
         self.logits = None if self.logits is None else self.logits[stay]
         self.e, self.positions = e[self.run], None if positions is None else positions[self.run]
         self.mask = mask if mask is None or mask.shape[0] == 1 else mask[self.run]
+        if self.rope is not None and self.rope[0].shape[0] > 1:
+            self.rope = (self.rope_all[0][self.run], self.rope_all[1][self.run])
         if self.going is not None:
             self.going, self.exits = self.going[stay], self.exits[stay]
 
@@ -83,7 +87,8 @@ def halting_forward(model: torch.nn.Module, x: torch.Tensor, halt: HaltRule | st
     exits = torch.full((B, T) if tokenwise else (B,), bound, dtype=torch.long, device=x.device)
     rows = Running(run=torch.arange(B, device=x.device), h=e, e=e, mask=mask, positions=P,
                    streak=torch.zeros_like(exits), exits=exits,
-                   going=torch.ones(B, T, dtype=torch.bool, device=x.device) if tokenwise else None)
+                   going=torch.ones(B, T, dtype=torch.bool, device=x.device) if tokenwise else None,
+                   rope=start.rope, rope_all=start.rope)
     h_out = torch.empty_like(e)                                                    # [B,T,D]
     for t in range(bound):                      # ---- the loop over the running rows:  h <- TF(h (+ e), t) ----
         done = _loop(model, rule, rows, mods, cache if per_token else None, t, R, attn_mask)   # [n] | [n,T]
@@ -123,7 +128,7 @@ def _loop(model: torch.nn.Module, rule: HaltRule, rows: Running, mods, cache: KV
     all_going = going is None or bool(going.all())
     inp = rows.h + rows.e if (t > 0 and cfg.input_injection) else rows.h
     rows.kv = RunningKV(cache, rows.run, going, len(model.blocks), all_going) if cache is not None else None
-    h_new = model._block(inp, None if mods is None else mods[t], rows.mask, rows.kv, t)
+    h_new = model._block(inp, None if mods is None else mods[t], rows.mask, rows.kv, t, rope=rows.rope)
     if not all_going:                                # stopped tokens keep their state
         h_new = torch.where(going[..., None], h_new, rows.h)
     logits = model.head(model.norm_f(h_new), None if attn_mask is None else attn_mask[rows.run]) \

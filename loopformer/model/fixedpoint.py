@@ -285,12 +285,12 @@ def phantom(F: Map, x: torch.Tensor, steps: int, damping: float, ckpt: bool = Fa
 
 
 # ------------------------------------------------------------------------------------------------- the model's mode
-def loop_map(model, e: torch.Tensor, mask: torch.Tensor | None) -> Map:
+def loop_map(model, e: torch.Tensor, mask: torch.Tensor | None, rope=None) -> Map:
     """F(h) = TF(h + e, t*) of `model` (a LoopedTransformer) for read-in e [B,T,D]: [B,T,D] -> [B,T,D]; t* = r − 1
     under timestep modulation (see the module's docstring)."""
     mods = model.modulations(1, e.device, offset=model.config.loops - 1)                  # [1,k,4,D] | None
     mods_t = None if mods is None else mods[0]
-    return lambda h: model._block(h + e, mods_t, mask, None, 0)
+    return lambda h: model._block(h + e, mods_t, mask, None, 0, rope=rope)
 
 
 def initial_guess(e: torch.Tensor, cfg, training: bool, state: torch.Tensor | None) -> torch.Tensor:
@@ -303,7 +303,7 @@ def initial_guess(e: torch.Tensor, cfg, training: bool, state: torch.Tensor | No
 
 
 def fixed_point(model, e: torch.Tensor, mask: torch.Tensor | None, state: torch.Tensor | None, loops: int,
-                return_all: bool, row_loops: torch.Tensor | None
+                return_all: bool, row_loops: torch.Tensor | None, rope=None
                 ) -> tuple[torch.Tensor, list[torch.Tensor] | None, SolveInfo]:
     """`LoopedTransformer.forward` under a solver: (h [B,T,D] the solution, with the gradient of `solver_backward`;
     with `return_all` the estimate after each of `loops` iterations; the solve's `SolveInfo`, also kept as
@@ -317,7 +317,7 @@ def fixed_point(model, e: torch.Tensor, mask: torch.Tensor | None, state: torch.
     if return_all and grad:
         raise UserError(f"per-loop read-outs in training need every iteration's gradient; model.solver={cfg.solver} "
                         f"keeps none (train on the final read-out)")
-    F = loop_map(model, e, mask)
+    F = loop_map(model, e, mask, rope)
     max_iter = cfg.solver_max_iter or loops
     trace: list[torch.Tensor] | None = [] if return_all else None
     with torch.no_grad():

@@ -90,6 +90,25 @@ class MLP(nn.Module):
         return self.drop(self.proj(self.act(self.fc(x))))
 
 
+def rope_tables(positions: torch.Tensor, dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position encoding (RoPE; Su et al. 2021) for integer `positions` [B|1,T]: cos and sin of the angles
+    p·θ_i, θ_i = base^(−2i/dim) for i < dim/2, as [B|1,1,T,dim/2] each (broadcast over heads). q·k after `rotate`
+    depends on the positions only through their difference, so nothing is tied to the lengths seen in training."""
+    inv = base ** (-2.0 * torch.arange(dim // 2, device=positions.device, dtype=torch.float32) / dim)   # [dim/2]
+    ang = positions.to(torch.float32)[..., None] * inv                                                  # [B|1,T,dim/2]
+    return ang.cos()[:, None], ang.sin()[:, None]
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [B,H,T,Dh] with each pair (x_i, x_{i+Dh/2}) rotated by its angle (the half-split layout of GPT-NeoX and
+    Llama); rope: `rope_tables` at x's positions."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]   # (cos, sin) [B|1,1,T,Dh/2] of `rope_tables`, or None: no rotation
+
 MATH_ATTENTION_MAX_T = 48   # compiled bidirectional attention over at most this many tokens: matmul-softmax-matmul
 
 
@@ -112,15 +131,18 @@ class Attention(nn.Module):
         self.causal = cfg.causal
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, slot: int = 0) -> torch.Tensor:
-        return self.attend(self.qkv(x), mask, cache, slot)                     # qkv: [B,T,3·H·Dh]
+                cache: KVCache | None = None, slot: int = 0, rope: Rope | None = None) -> torch.Tensor:
+        return self.attend(self.qkv(x), mask, cache, slot, rope)               # qkv: [B,T,3·H·Dh]
 
     def attend(self, qkv: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None,
-               slot: int) -> torch.Tensor:
-        """Attention of the projected q | k | v [B,T,3·H·Dh], then the output projection: [B,T,D]."""
+               slot: int, rope: Rope | None = None) -> torch.Tensor:
+        """Attention of the projected q | k | v [B,T,3·H·Dh] (q and k rotated by `rope` when given; a cache keeps
+        the rotated keys), then the output projection: [B,T,D]."""
         B, T, _ = qkv.shape
         inner = self.h * self.dh
         q, k, v = (z.view(B, T, self.h, self.dh).transpose(1, 2) for z in qkv.split(inner, dim=-1))  # [B,H,T,Dh]
+        if rope is not None:
+            q, k = rotate(q, rope), rotate(k, rope)
         if cache is not None:
             k, v = cache.update(slot, k, v)                                     # [B,H,S,Dh]
         dropout = self.p_drop if self.training else 0.0
@@ -146,7 +168,8 @@ class Attention(nn.Module):
         scale = self.scale if self.scale is not None else self.dh ** -0.5
         return torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1) @ v          # [B,H,Tq,T] @ [B,H,T,Dh]
 
-    def attend_at(self, xn: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend_at(self, xn: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None,
+                  rope: Rope | None = None) -> torch.Tensor:
         """The attention output at the flattened positions `at` [N] of the B·T positions only: queries projected
         there, keys and values from every position of the query's row, then the output projection: [N,D]
         (what `forward` gives at those positions). xn: [B,T,D] the normalised input; mask: [B|1,1,T,S] bool."""
@@ -156,9 +179,13 @@ class Attention(nn.Module):
         q = F.linear(xn.flatten(0, 1).index_select(0, at), w[:inner], None if b is None else b[:inner])  # [N,H·Dh]
         kv = F.linear(xn, w[inner:], None if b is None else b[inner:])                  # [B,T,2·H·Dh]
         row, pos = at // T, at % T                                                       # [N] each
-        k, v = (z.view(B, T, self.h, self.dh).transpose(1, 2).index_select(0, row)      # [N,H,T,Dh]
-                for z in kv.split(inner, dim=-1))
+        k, v = (z.view(B, T, self.h, self.dh).transpose(1, 2) for z in kv.split(inner, dim=-1))   # [B,H,T,Dh]
         q = q.view(N, self.h, 1, self.dh)                                                # [N,H,1,Dh]
+        if rope is not None:                      # keys at their positions, each query at its own
+            k = rotate(k, rope)
+            sel = (row if rope[0].shape[0] > 1 else torch.zeros_like(row), pos)
+            q = rotate(q, (rope[0][:, 0][sel][:, None, None], rope[1][:, 0][sel][:, None, None]))
+        k, v = k.index_select(0, row), v.index_select(0, row)                            # [N,H,T,Dh]
         if mask is not None:                                                             # the query's mask row
             allowed = mask[row if mask.shape[0] > 1 else torch.zeros_like(row), :, pos]  # [N,1,T]
             allowed = allowed.unsqueeze(1)                                               # [N,1,1,T]
@@ -215,18 +242,19 @@ class Layer(nn.Module):
         return Modulation(gate_attn, gate_mlp, 1 + s1, 1 + s2, False)
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor | Modulation | None = None,
-                mask: torch.Tensor | None = None, cache: KVCache | None = None, slot: int = 0) -> torch.Tensor:
+                mask: torch.Tensor | None = None, cache: KVCache | None = None, slot: int = 0,
+                rope: Rope | None = None) -> torch.Tensor:
         # x: [B,T,D]; mod: [4,D] (or [4,B,1,D], per row), this layer's modulation at this loop, or it `prepare`d
         m = None if mod is None else (mod if isinstance(mod, Modulation) else self.prepare(mod))
-        return self._residuals(x, self.attn(self._norm1(x, m), mask, cache, slot), m)
+        return self._residuals(x, self.attn(self._norm1(x, m), mask, cache, slot, rope), m)
 
     def forward_at(self, x: torch.Tensor, at: torch.Tensor, mod: torch.Tensor | Modulation | None = None,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, rope: Rope | None = None) -> torch.Tensor:
         """The layer's output at the flattened positions `at` [N] only — `forward(x)` there, [N,D] — for a last
         layer whose other positions nothing reads: the attention's queries, the output projection, the MLP and the
         residual run on N rows; keys and values still come from every position. mod: one modulation for all rows."""
         m = None if mod is None else (mod if isinstance(mod, Modulation) else self.prepare(mod))
-        a = self.attn.attend_at(self._norm1(x, m), at, mask)                                 # [N,D]
+        a = self.attn.attend_at(self._norm1(x, m), at, mask, rope)                           # [N,D]
         return self._residuals(x.flatten(0, 1).index_select(0, at), a, m)
 
     def _norm1(self, x: torch.Tensor, m: Modulation | None) -> torch.Tensor:
@@ -262,14 +290,14 @@ class AuthorsLoopedLayer(Layer):
         self.norm2 = nn.Identity()
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, slot: int = 0) -> torch.Tensor:
-        x = x + self.attn.attend(self._qkv(self.norm1(x), x), mask, cache, slot)
+                cache: KVCache | None = None, slot: int = 0, rope: Rope | None = None) -> torch.Tensor:
+        x = x + self.attn.attend(self._qkv(self.norm1(x), x), mask, cache, slot, rope)
         return x + self.mlp(x)
 
     def forward_at(self, x: torch.Tensor, at: torch.Tensor, mod: torch.Tensor | None = None,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, rope: Rope | None = None) -> torch.Tensor:
         """`forward` at the flattened positions `at` only: [N,D] (computed everywhere, then selected)."""
-        return self.forward(x, mod, mask).flatten(0, 1).index_select(0, at)
+        return self.forward(x, mod, mask, rope=rope).flatten(0, 1).index_select(0, at)
 
     def _qkv(self, xn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k from the normalised `xn`, v from the raw `x`: [B,T,3·H·Dh]."""

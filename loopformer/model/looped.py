@@ -40,7 +40,14 @@ from loopformer.model.exits import halting_forward
 from loopformer.model.fixedpoint import fixed_point, require_unroll
 from loopformer.model.halting import ExitGate, HaltRule
 from loopformer.model.heads import Embed, Head
-from loopformer.model.layers import Modulation, RMSNorm, TimestepEmbedder, is_timestep_param, make_layer
+from loopformer.model.layers import (
+    Modulation,
+    RMSNorm,
+    TimestepEmbedder,
+    is_timestep_param,
+    make_layer,
+    rope_tables,
+)
 from loopformer.model.options import PLAIN, Begin, LoopOptions, LoopOutput
 from loopformer.model.stability import cut, perturb, start_state
 
@@ -190,7 +197,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         R, e, mask = run.loops, run.e, run.mask
         rows = None if opts.row_loops is None else self._check_rows(x, opts.row_loops, R, cache)   # [B]
         if cfg.solver != "unroll":                   # the fixed-point mode: h* = TF(h* + e, r − 1), no unrolled loop
-            h, states, solved = fixed_point(self, e, mask, opts.state, R, return_all, rows)
+            h, states, solved = fixed_point(self, e, mask, opts.state, R, return_all, rows, run.rope)
             return replace(self._read_out(h, states, attn_mask, solved.iters, opts.read_at, opts.read_loops),
                            solve=solved)
         mods = self._loop_modulations(R, x.device, cache, opts.loop_offset,           # [R,k,4,D] | None
@@ -211,9 +218,9 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             at = opts.read_at if sparse and t == R - 1 else None                       # -> h: [N,D]
             with torch.set_grad_enabled(grad and t >= grad_from):
                 if use_ckpt and t >= grad_from:
-                    h = checkpoint(self._block, h, mods_t, mask, None, t, at, use_reentrant=False)
+                    h = checkpoint(self._block, h, mods_t, mask, None, t, at, run.rope, use_reentrant=False)
                 else:
-                    h = self._block(h, mods_t, mask, cache, t, at)
+                    h = self._block(h, mods_t, mask, cache, t, at, run.rope)
             h = perturb(h, cfg, self.training)      # state noise (training only; `loopformer.model.stability`)
             if rows is not None:                     # rows past their own loop count keep their state
                 h = torch.where((rows > t)[:, None, None], h, h_prev)
@@ -231,25 +238,30 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         past = cache.length if cache is not None else 0
         mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
-        return Begin(R, e, mask, past)
+        rope = None if self.config.pos != "rope" else \
+            rope_tables(self._token_positions(x, positions, attn_mask, past), self.config.hd, self.config.rope_base)
+        return Begin(R, e, mask, past, rope)
 
     @torch.no_grad()
     def loop_rows(self, x: torch.Tensor, t: torch.Tensor, cache: KVCache, cols: torch.Tensor,
-                  seen: torch.Tensor) -> torch.Tensor:
+                  seen: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """One loop for every row of `cache`, each at a loop of its own (depth-wise batched generation,
         `loopformer.text.generate`): row i computes its token at column cols_i in loop t_i (0-based), attending to
         the columns `seen` marks in that loop's slot.
 
         x: [B,1,D] the rows' block inputs (the read-in at a token's first loop; after it the hidden state, plus the
         read-in with input injection); t, cols: [B]; seen: [B,W] bool, the columns row i's token attends to (its
-        real columns up to cols_i; W = the widest row's cols_i + 1). Returns the hidden states after the loop
-        [B,1,D]."""
+        real columns up to cols_i; W = the widest row's cols_i + 1); pos: [B] the tokens' positions for rotary
+        encoding (default cols; left-padded rows count from their first real token). Returns the hidden states after
+        the loop [B,1,D]."""
         mods = self.prepare_rows(cache)                                                # [R,k·4,1,D] | None
         if mods is not None:
             m = mods.index_select(0, t).unbind(1)                                      # k·4 × [B,1,D]
             mods = [Modulation(*m[4 * i:4 * i + 4], folded=False) for i in range(len(self.blocks))]
         kv = DepthwiseKV(cache, t, cols, len(self.blocks), seen.shape[1])
-        return self._block(x, mods, seen[:, None, None], kv, 0)
+        rope = None if self.config.pos != "rope" else \
+            rope_tables((cols if pos is None else pos)[:, None], self.config.hd, self.config.rope_base)
+        return self._block(x, mods, seen[:, None, None], kv, 0, rope=rope)
 
     def prepare_rows(self, cache: KVCache) -> torch.Tensor | None:
         """What `loop_rows` looks up, made once per cache: the cache entries per (loop, row)
@@ -305,6 +317,17 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             return torch.arange(past, past + T, device=x.device)
         return None
 
+    def _token_positions(self, x: torch.Tensor, positions: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                         past: int) -> torch.Tensor:
+        """The positions of the new tokens for rotary encoding, [B|1,T]: given, counted from the first real token
+        under left padding, else past..past+T-1."""
+        if positions is not None:
+            return positions if positions.dim() == 2 else positions[None]
+        T = x.shape[1]
+        if attn_mask is not None:
+            return (attn_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + T]
+        return torch.arange(past, past + T, device=x.device)[None]
+
     def _mask(self, attn_mask: torch.Tensor | None, T: int, past: int, device) -> torch.Tensor | None:
         """Boolean attention mask [B|1, 1, T, S] (True = may attend), or None for the fused causal/full path."""
         if attn_mask is None and past == 0:
@@ -335,16 +358,16 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         return self.modulations(loops, device, offset, budget)
 
     def _block(self, h: torch.Tensor, mods_t, mask: torch.Tensor | None,
-               cache: KVCache | None, t: int, at: torch.Tensor | None = None) -> torch.Tensor:
+               cache: KVCache | None, t: int, at: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         """TF(h, t): the block's k layers at loop t (layer i of loop t uses cache slot t·k + i); mods_t: [k,4,D] or
-        the k layers' prepared `Modulation`s. With `at` [N] the last layer computes only those of the flattened
-        B·T positions: [B,T,D] -> [N,D]."""
+        the k layers' prepared `Modulation`s; rope: the rotary tables of the positions (`Begin.rope`). With `at`
+        [N] the last layer computes only those of the flattened B·T positions: [B,T,D] -> [N,D]."""
         k = len(self.blocks)
         for i, blk in enumerate(self.blocks):
             mod = None if mods_t is None else mods_t[i]
             if at is not None and i == k - 1:
-                return blk.forward_at(h, at, mod, mask)
-            h = blk(h, mod, mask, cache, t * k + i if cache is not None else 0)   # the slot: a cache's only
+                return blk.forward_at(h, at, mod, mask, rope)
+            h = blk(h, mod, mask, cache, t * k + i if cache is not None else 0, rope)   # the slot: a cache's only
         return h
 
     def _read_out(self, h: torch.Tensor, states: list[torch.Tensor] | None, attn_mask: torch.Tensor | None,

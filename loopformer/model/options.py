@@ -53,6 +53,7 @@ class Begin:
     e: torch.Tensor                           # [B,T,D] the read-in L1(x)
     mask: torch.Tensor | None                 # [B|1,1,T,S] the attention mask (None: the fused causal/full path)
     past: int                                 # tokens already in the cache
+    rope: tuple | None = None                 # (cos, sin) [B|1,1,T,Dh/2] of rotary positions (pos="rope"), else None
 
 
 @dataclass

@@ -266,11 +266,12 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig | None
 
 def _tick(model, cache, rule: HaltRule, bound: int, x: torch.Tensor, h_prev: torch.Tensor,
           logits_prev: torch.Tensor | None, t: torch.Tensor, live: torch.Tensor, cols: torch.Tensor,
-          seen: torch.Tensor):
+          seen: torch.Tensor, pos: torch.Tensor | None = None):
     """The model's part of a depth-wise tick: one loop for every row (`LoopedTransformer.loop_rows`), the read-out
     where the rule reads one, whether the criterion holds [B], the loops done t + live [B], and for a rule that
-    stops where its criterion holds once, the rows that stop [B] (None for the others)."""
-    h = model.loop_rows(x, t, cache, cols, seen)                                       # [B,1,D]
+    stops where its criterion holds once, the rows that stop [B] (None for the others). pos: the tokens' positions
+    [B] (rotary encoding)."""
+    h = model.loop_rows(x, t, cache, cols, seen, pos)                                  # [B,1,D]
     logits = model.head(model.norm_f(h)) if rule.needs_read_out else None               # [B,1,V]
     holds = criterion_holds(rule, hidden=h, hidden_prev=h_prev, logits=logits, logits_prev=logits_prev,
                             stop_logits=None if model.exit_gate is None else model.exit_gate(h))
@@ -342,7 +343,7 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
             x = h + e if inject else h
         attend = seen if cfg.compile else seen[:, :width]   # compiled: every column (one shape, one graph)
         h, logits, holds, t, stop = tick(model, cache, rule, bound, x, h_prev, prev_logits, t, live, cols,
-                                         attend)            # keys/values written through to the later loops
+                                         attend, plen + n)  # keys/values written through to the later loops
         if stop is None:               # a rule with patience, a first loop or a comparison with the previous one
             if rule.criterion in NEEDS_PREVIOUS:
                 holds = holds & (t > 1)                                                 # nothing to compare yet
