@@ -24,8 +24,10 @@ def _files(path):
     return out
 
 
-def test_same_bytes_for_any_worker_count(tmp_path):
-    task = get_task("lcs", length=6, alphabet_max=4)
+@pytest.mark.parametrize("name,options", [("lcs", {"length": 6, "alphabet_max": 4}),
+                                          ("addition", {"length": 10, "min_length": 1})])
+def test_same_bytes_for_any_worker_count(tmp_path, name, options):
+    task = get_task(name, **options)
     write_dataset(tmp_path / "w1", task, 3000, 500, seed=11, workers=1, chunk_size=700, progress=False)
     write_dataset(tmp_path / "w2", task, 3000, 500, seed=11, workers=2, chunk_size=700, progress=False)
     a, b = _files(tmp_path / "w1"), _files(tmp_path / "w2")

@@ -282,3 +282,19 @@ def test_length_curriculum_admits_larger_sizes_over_steps():
         make_data(TaskConfig(name="lcs", options={"length": 3}, n_train=8, n_test=8, length_start=2))
     with pytest.raises(UserError, match="below the smallest"):
         make_data(dataclasses.replace(cfg, options={"length": 8, "min_length": 4}))
+
+
+def test_sweep_report_tabulates_lengths():
+    from loopformer.experiments.report import lengths_table
+
+    def run(seed, metrics, name="model.loop_rule=linear:1,0"):
+        return {"_dir": f"/x/runs/{name}_seed={seed}", "seed": seed, "metric": "accuracy",
+                "task": {"name": "parity", "options": {"length": 12}},
+                "lengths": {"formula": "⌈1·n + 0⌉", "trained_size": 12,
+                            "lengths": [{"length": n, "loops": n, "metric": v} for n, v in zip((12, 24), metrics)]}}
+
+    text = lengths_table([run(0, (1.0, 0.5)), run(1, (0.9, 0.7)), run(2, (1.0, 0.6)), {"_dir": "/x/runs/other"}])
+    assert "| n = 12 | n = 24 |" in text
+    assert "| 3 | 100.0 [90.0–100.0] | 60.0 [50.0–70.0] |" in text          # median [min–max] over seeds
+    assert "| 1 | 90.0 (12) | 70.0 (24) |" in text                           # each run: metric (loops)
+    assert lengths_table([{"_dir": "/x/runs/a"}]) is None

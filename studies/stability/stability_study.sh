@@ -58,6 +58,7 @@ SCREENS=(
   "lr-5e-4:train.lr=5e-4"
   "lr-4e-3:train.lr=4e-3"
   "noise-long:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995"
+  "noise-long-skip20:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995 train.skip_spikes=20"
   "noise-long-lr1e-3:model.state_noise=0.05 train.steps=4000 train.lr=1e-3 train.ema_decay=0.995"
 )
 # screen CONFIG: every entry of SCREENS ("recipe": the shipped recipe itself, on the same code and seeds) as its
