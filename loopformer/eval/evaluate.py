@@ -33,7 +33,7 @@ from loopformer.model.halting import row_mean
 from loopformer.model.lengths import LoopRule
 from loopformer.model.looped import unwrap
 from loopformer.model.memory import MAX_LOOPS, check_loops
-from loopformer.model.options import PLAIN, LoopOptions
+from loopformer.model.options import LoopOptions
 from loopformer.model.recursion import step_exits
 from loopformer.sources import DataSource
 
@@ -55,8 +55,8 @@ def read_outs(model: torch.nn.Module, x: torch.Tensor, loops: int, all_loops: bo
     """The read-out after every loop [R,B,T,C] (`all_loops`), or after the last [1,B,T,C]; `rows` [B]: a loop count
     per row (each row keeps its state after its own loops)."""
     with autocast():
-        out = model(x, loops=loops, return_all=all_loops,
-                    opts=PLAIN if rows is None else LoopOptions(row_loops=rows))
+        out = model(x, loops=loops, return_all=all_loops) if rows is None else \
+            model(x, loops=loops, return_all=all_loops, opts=LoopOptions(row_loops=rows))
     return out.all_logits if all_loops else out.logits[None]
 
 
@@ -64,7 +64,7 @@ def rule_rows(model: torch.nn.Module, batch: dict[str, np.ndarray], loops: int,
               device: torch.device) -> torch.Tensor | None:
     """The loops of every row of `batch` under the model's loop rule (`model.loop_rule`: T(n) from the row's size,
     at most `loops`), [B]; None for a fixed rule or rows without sizes."""
-    rule = LoopRule.parse(model.config.loop_rule)
+    rule = LoopRule.parse(getattr(model.config, "loop_rule", "fixed"))
     if rule.fixed or "size" not in batch:
         return None
     return torch.from_numpy(np.minimum(rule.loops(batch["size"], model.config.loops), loops)).to(device)

@@ -56,6 +56,8 @@ class TaskConfig:
     data_dir: str | None = None
     n_train: int = 10000
     n_test: int = 1000
+    n_val: int = 0                    # validation rows (token tasks, from the task's own `val` stream, disjoint from
+                                      # train and test); what train.keep_best selects by
     seed: int = 0                     # data seed (independent of the model seed)
     answer_only: bool = False         # causal pair tasks read by a bidirectional model: hide the answer tokens
                                       # from the input and supervise only the answer position
@@ -79,6 +81,7 @@ class TaskConfig:
     def __post_init__(self) -> None:
         _need(bool(self.name), "task.name must be set")
         _need(self.n_train >= 1 and self.n_test >= 1, "task.n_train and task.n_test must be >= 1")
+        _need(self.n_val >= 0, f"task.n_val must be >= 0 (got {self.n_val})")
         _need(0 <= self.seed < 2 ** 63, f"task.seed must be in [0, 2^63) (got {self.seed})")
         _need(self.length_start >= 0 and self.length_every >= 1 and self.length_increment >= 1,
               "task.length_start must be >= 0, task.length_every and task.length_increment >= 1")
@@ -118,6 +121,10 @@ class DataSource:
     def task_name(cls, cfg: TaskConfig) -> str:
         """The name of the task `cfg` serves (for a data folder: the one its manifest names)."""
         return cfg.name
+
+    def validation(self) -> DataSource:
+        """This source with its validation rows in place of its test rows (what `train.keep_best` scores)."""
+        raise UserError(f"train.keep_best selects by a validation split; the {self.cfg.name} data has none")
 
     def at_length(self, n: int, rows: int) -> tuple[DataSource, TaskConfig]:
         """A source whose `rows` test rows all have size n (`loopformer eval --lengths`), and its task section."""

@@ -11,6 +11,7 @@ Tasks with symmetries (Sudoku): `augment` draws training rows under random symme
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -79,6 +80,19 @@ class TokenData(DataSource):
     def task_name(cls, cfg: TaskConfig) -> str:
         return cls.task_from(cfg).name
 
+    def validation(self) -> TokenData:
+        """A copy of this source whose test rows are its validation rows (`task.n_val`): what `train.keep_best`
+        scores."""
+        if self.val is None:
+            raise UserError("train.keep_best selects by a validation split: set task.n_val (rows of the task's own "
+                            "val stream)" + ("; a data folder holds train and test only: generate the task in memory"
+                                             if self.cfg.data_dir else ""))
+        other = copy.copy(self)
+        other.test = self.val
+        if self.cfg.answer_only:
+            other.test = hide_answers(self.val, self.task.pad_id)
+        return other
+
     def at_length(self, n: int, rows: int) -> tuple[TokenData, TaskConfig]:
         """The task regenerated with option length = n (and min_length 0: every row of size n): `rows` test rows of
         the run's data seed (disjoint from its training rows: the split is a hash of the row); one training row."""
@@ -90,7 +104,7 @@ class TokenData(DataSource):
         if "min_length" in options:
             options["min_length"] = 0
         cfg = dataclasses.replace(self.cfg, name=self.task.name, options=options, data_dir=None, n_train=1,
-                                  n_test=int(rows), loop_targets=False, augment=False, length_start=0)
+                                  n_test=int(rows), n_val=0, loop_targets=False, augment=False, length_start=0)
         try:
             return TokenData(cfg), cfg
         except UserError as exc:
@@ -110,10 +124,12 @@ class TokenData(DataSource):
             check_dir(cfg.data_dir)
             self.task, splits = open_dataset(cfg.data_dir, verify=True)   # checksums and token ids
             self.train, self.test = dict(splits["train"]), dict(splits["test"])
+            self.val = None                                              # data folders: train and test only
         else:
             self.task = get_task(cfg.name, **dict(cfg.options))
             self.train = self.task.generate(cfg.n_train, cfg.seed, "train")
             self.test = self.task.generate(cfg.n_test, cfg.seed, "test")
+            self.val = self.task.generate(cfg.n_val, cfg.seed, "val") if cfg.n_val else None
         if cfg.answer_only:   # the test split now; training rows batch by batch (they may be memory-mapped)
             if "answer_start" not in self.train:
                 raise UserError("task.answer_only needs a task with an answer span (edit_distance, lcs, countdown)")

@@ -112,6 +112,9 @@ class TrainConfig:
     exit_entropy_weight: float = 0.01 # "distribution": β, the weight of the exit distribution's entropy bonus
     ema_decay: float = 0.0            # > 0: keep an exponential moving average of the weights with this decay
                                       # (e.g. 0.999), evaluated and checkpointed next to the raw weights
+    keep_best: bool = False           # keep the weights that score best on the validation split (task.n_val) at the
+                                      # periodic evaluations (eval_every) and the end, and finish with them
+                                      # (loopformer.train.selection; results.json "keep_best")
     skip_spikes: float = 0.0          # > 1: skip an optimiser step whose gradient norm (before clipping) exceeds this
                                       # many times its running geometric mean (loopformer.train.spikes); 0: off
     spike_window: int = 100           # steps the running mean of log gradient norms spans
@@ -249,6 +252,10 @@ class RunConfig:
                   "an exit gate's loss are not available with it")
         else:
             _need(tr.loop_jitter == 0, "train.loop_jitter adds loops to a loop rule's: set model.loop_rule")
+        if tr.keep_best:
+            _need(tr.eval_every > 0, "train.keep_best selects among the periodic evaluations: set train.eval_every")
+            _need(tr.parallel != "fsdp",
+                  "train.keep_best keeps a full copy of the weights: not with train.parallel=fsdp")
         if (tr.consistency > 0 or tr.fixed_point > 0) and m.supervision_steps != 1:
             raise ValueError("train.consistency and train.fixed_point need model.supervision_steps = 1")
         if tr.loss_loops == "window":

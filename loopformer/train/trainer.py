@@ -69,6 +69,7 @@ from loopformer.train.losses import (
 )
 from loopformer.train.optim import budget_range, lr_at, make_optimizer, sample_loops, steps_for
 from loopformer.train.run import MetricsLog
+from loopformer.train.selection import BestKeeper
 from loopformer.train.sharding import (
     SHARDED,
     full,
@@ -245,6 +246,7 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None
             if on_step is not None:
                 on_step(done)
         t.bar.close()
+        t.select(t.total)                        # train.keep_best: finish with the best weights seen
         final = t.evaluate(t.total, final=True)
         t.checkpoint(t.total)
         return t.finish(final)
@@ -280,6 +282,9 @@ class Trainer:
         if cfg.eval.votes:
             self.data.check_votes()
         self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
+        self.val_data = self.data.validation() if tc.keep_best else None   # what train.keep_best selects by
+        self.keeper = BestKeeper(self.data.higher_is_better) if tc.keep_best else None
+        self.last_test: dict | None = None       # keep_best: the last step's test metrics, when other weights win
         self.rule = LoopRule.parse(cfg.model.loop_rule)     # loops from each row's size (length generalisation)
         check_covers(self.rule, cfg.model.loops, self.data.largest_size())
         self.autocast, use_scaler = autocast_for(cfg, d.device)
@@ -358,6 +363,8 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         if self.spikes is not None and state.get("spikes"):
             self.spikes.load_state_dict(state["spikes"])
+        if self.keeper is not None:
+            self.keeper.load(self.ckpt_dir, state.get("keep_best"))
         self.start, self.state = int(state["step"]), state
         if self.start >= self.total and run.results_done(self.run_dir, self.start):
             self.finished = True
@@ -677,6 +684,8 @@ class Trainer:
             kw = dict(loopwise=final, device=self.d.device, autocast=self.autocast)
             with eager(model):                   # evaluation runs eagerly (a compiled block: other shapes)
                 res = evaluate_all(model, self.data, cfg.eval, extras=final, **kw)
+                if self.keeper is not None and not final:
+                    self.score_validation(model, step)
             rec = {"split": "test", "step": step, "loops": res["loops"], **res["metrics"]}
             if ema is not None:
                 res_ema = evaluate_all(ema, self.data, cfg.eval, extras=False, **kw)
@@ -684,6 +693,29 @@ class Trainer:
                 rec.update({f"ema_{k}": v for k, v in res_ema["metrics"].items()})
             self.log.write(rec)
         return broadcast_object(self.d, res)
+
+    def score_validation(self, model: torch.nn.Module, step: int) -> None:
+        """train.keep_best (rank 0): `model`'s headline metric at r on the validation split, logged as a "val"
+        record; its weights kept when it is the best so far (`loopformer.train.selection`)."""
+        res = evaluate_all(model, self.val_data, self.cfg.eval, loopwise=False, extras=False, device=self.d.device,
+                           autocast=self.autocast)
+        score = float(res["metrics"][self.data.metric])
+        kept = self.keeper.offer(unwrap(model), score, step)
+        self.log.write({"split": "val", "step": step, "loops": res["loops"], **res["metrics"], "kept": kept})
+
+    def select(self, step: int) -> None:
+        """train.keep_best at the end (rank 0): score the last weights too, and when earlier ones scored better,
+        note the last weights' test metrics and load the kept weights for the final evaluation and checkpoint."""
+        if self.keeper is None or not self.d.main:
+            return
+        model = unwrap(self.model)
+        with eager(model):
+            self.score_validation(model, step)
+            if self.keeper.step != step:
+                self.last_test = evaluate_all(model, self.data, self.cfg.eval, loopwise=False, extras=False,
+                                              device=self.d.device, autocast=self.autocast)["metrics"]
+        if self.keeper.step != step:
+            self.keeper.restore(model)
 
     def full_models(self, step: int) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
         """The model and its weight average (None without one) with full weights, for evaluation, dynamics and
@@ -727,9 +759,10 @@ class Trainer:
                                             "sharded": sharded,
                                             "scaler": self.scaler.state_dict() if self.scaler else None,
                                             "spikes": self.spikes.state_dict() if self.spikes else None,
+                                            "keep_best": self.keeper.state_dict() if self.keeper else None,
                                             "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
                                             "train_time": self.train_time, "total_steps": self.total},
-                            ema=ema, extra=write_shards if sharded else None)
+                            ema=ema, extra=write_shards if sharded else (self.keeper.save if self.keeper else None))
         elif sharded:
             write_shards(None)
         barrier(self.d)
@@ -758,6 +791,8 @@ class Trainer:
                 **({"halting_sweep": sweep} if sweep else {}),
                 **({"drift": drift} if drift else {}),
                 **({"lengths": final["lengths"]} if "lengths" in final else {}),
+                **({"keep_best": {"step": self.keeper.step, "val": self.keeper.score, "metric": self.data.metric,
+                                  "last_test": self.last_test}} if self.keeper is not None else {}),
                 **({"loop_rule": cfg.model.loop_rule, "loop_jitter": tc.loop_jitter}
                    if cfg.model.loop_rule != "fixed" else {}),
                 **({"skipped_steps": self.spikes.skipped} if self.spikes is not None else {}),

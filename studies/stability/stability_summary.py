@@ -2,7 +2,8 @@
 `bash studies/stability/stability_study.sh collect` copies: per stage, every run's exact-match accuracy at r, 2r and
 4r, its best loop, the drift verdict (loopformer.eval.drift: from results.json's "drift" where the run recorded it,
 with the state change at 4r and the spectral radius of the loop map; else from the accuracy alone; "not learned"
-below 50 % at r), its training time and peak memory; then per variant the median [min–max] over seeds and the seeds
+below 50 % at r), the averaged weights' accuracy at r (runs with train.ema_decay), the steps spike skipping left out
+(train.skip_spikes), its training time and peak memory; then per variant the median [min–max] over seeds and the seeds
 reaching 95 % at r.
 
     python studies/stability/stability_summary.py studies/stability       # prints markdown
@@ -44,6 +45,7 @@ def rows(stage: Path) -> list[dict]:
                     "change_4r": drift["state_change"][4 * r - 1] if drift else None,
                     "rho": drift["spectral_radius"]["median"] if drift else None,
                     "mem_mb": (d.get("peak_memory_mb") or {}).get("host"),
+                    "ema": (d.get("test_ema") or {}).get("accuracy"), "skipped": d.get("skipped_steps"),
                     "verdict": verdict if acc["r"] >= 0.5 else "not learned"})
     return out
 
@@ -56,13 +58,14 @@ def table(stage: Path) -> str:
         return "—" if v is None else format(v, fmt)
 
     lines = [f"## {stage.name}", "", "| variant | seed | at r | at 2r | at 4r | best (t) | verdict "
-             "| state change at 4r | ρ at r | train min | peak MiB |",
-             "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+             "| state change at 4r | ρ at r | averaged weights at r | skipped steps | train min | peak MiB |",
+             "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for x in sorted(rs, key=lambda x: (x["variant"], x["seed"])):
         lines.append(f"| {x['variant']} | {x['seed']} | {100 * x['r']:.1f} | {100 * x['2r']:.1f} | "
                      f"{100 * x['4r']:.1f} | {100 * x['best']:.1f} ({x['best_t']}) | {x['verdict']} | "
-                     f"{num(x['change_4r'], '.2g')} | {num(x['rho'], '.3f')} | {x['time_min']:.1f} | "
-                     f"{num(x['mem_mb'], '.0f')} |")
+                     f"{num(x['change_4r'], '.2g')} | {num(x['rho'], '.3f')} | "
+                     f"{num(None if x['ema'] is None else 100 * x['ema'], '.1f')} | {num(x['skipped'], 'd')} | "
+                     f"{x['time_min']:.1f} | {num(x['mem_mb'], '.0f')} |")
     lines += ["", "| variant | seeds | at r: median [min–max] | at 4r: median [min–max] | ≥ 95 % at r | settling |",
               "|---|---:|---|---|---:|---:|"]
     for v in sorted({x["variant"] for x in rs}):

@@ -1,0 +1,76 @@
+"""Keeping the best weights a run has seen (`train.keep_best`): early stopping by a validation split.
+
+Deep loops often learn a task and then lose it: a gradient spike late in training throws a solved model out of its
+basin (docs/stability.md: training accuracy 99.97 % at step 2,800, chance from step 3,050 on). With
+`train.keep_best` the run scores its weights on a validation split — rows of the task's own `val` stream
+(`task.n_val`), disjoint from the training and test rows by the split hash — at every periodic evaluation
+(`train.eval_every`) and at the end, and keeps a copy of the best-scoring weights (the headline metric at r; ties keep
+the earlier). At the end the model takes the kept weights before its final evaluation and checkpoint, so
+results.json, `eval` and `generate` see the selected model; results.json's "keep_best" records the step it came
+from, its validation score, and the last step's test metrics beside it. The test split never chooses.
+
+The copy is part of the checkpoint (`best.safetensors` beside the weights, its step and score in the training
+state): a resumed run selects exactly as the uninterrupted one. Not with sharded training (the copy would be the
+full model on one process).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+BEST_WEIGHTS = "best.safetensors"
+
+
+class BestKeeper:
+    """The best validation score so far, its step and a CPU copy of its weights."""
+
+    def __init__(self, higher_is_better: bool = True):
+        self.higher = higher_is_better
+        self.score: float | None = None
+        self.step: int | None = None
+        self.weights: dict[str, torch.Tensor] | None = None
+
+    def better(self, score: float) -> bool:
+        """Whether `score` beats the best so far (a NaN never does; the first finite score always does)."""
+        if score != score:                                    # NaN
+            return False
+        if self.score is None:
+            return True
+        return score > self.score if self.higher else score < self.score
+
+    def offer(self, model: torch.nn.Module, score: float, step: int) -> bool:
+        """Keep `model`'s weights if `score` (at `step`) is the best so far; returns whether they were kept."""
+        if not self.better(score):
+            return False
+        self.score, self.step = float(score), int(step)
+        self.weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        return True
+
+    def restore(self, model: torch.nn.Module) -> bool:
+        """Load the kept weights into `model` (strict); False when nothing was kept."""
+        if self.weights is None:
+            return False
+        model.load_state_dict(self.weights)
+        return True
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        return {"score": self.score, "step": self.step}
+
+    def save(self, folder: Path) -> None:
+        """The kept weights into `folder` (a checkpoint being written); nothing when none are kept."""
+        if self.weights is not None:
+            save_file({k: v.contiguous() for k, v in self.weights.items()}, str(Path(folder) / BEST_WEIGHTS))
+
+    def load(self, folder: Path, state: dict | None) -> None:
+        """Score, step and weights from a checkpoint `folder` and its training state's entry `state`."""
+        if not state or state.get("score") is None:
+            return
+        self.score, self.step = float(state["score"]), int(state["step"])
+        self.weights = load_file(str(Path(folder) / BEST_WEIGHTS))
+
+
+__all__ = ["BestKeeper", "BEST_WEIGHTS"]
