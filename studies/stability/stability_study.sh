@@ -59,6 +59,8 @@ SCREENS=(
   "lr-4e-3:train.lr=4e-3"
   "noise-long:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995"
   "noise-long-skip20:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995 train.skip_spikes=20"
+  "noise-long-best:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995 train.keep_best=true task.n_val=500 train.eval_every=250"
+  "noise-long-skip20-best:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995 train.skip_spikes=20 train.keep_best=true task.n_val=500 train.eval_every=250"
   "noise-long-lr1e-3:model.state_noise=0.05 train.steps=4000 train.lr=1e-3 train.ema_decay=0.995"
 )
 # screen CONFIG: every entry of SCREENS ("recipe": the shipped recipe itself, on the same code and seeds) as its
