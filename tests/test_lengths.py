@@ -256,6 +256,8 @@ def test_a_rule_must_cover_the_training_sizes(tmp_path, capsys):
     assert "reads every row's size" in capsys.readouterr().err
     assert _train(tmp_path, "train.loops_sample=uniform") == 2
     assert "excludes train.loops_sample" in capsys.readouterr().err
+    assert _train(tmp_path, "model.pos=learned", "model.loop_rule=fixed", "eval.lengths=[8,30]") == 2   # at start
+    assert "positions" in capsys.readouterr().err
     assert not (tmp_path / "r" / "checkpoint").exists()
 
 
@@ -298,3 +300,14 @@ def test_sweep_report_tabulates_lengths():
     assert "| 3 | 100.0 [90.0–100.0] | 60.0 [50.0–70.0] |" in text          # median [min–max] over seeds
     assert "| 1 | 90.0 (12) | 70.0 (24) |" in text                           # each run: metric (loops)
     assert lengths_table([{"_dir": "/x/runs/a"}]) is None
+
+
+def test_at_length_refuses_tasks_without_a_length():
+    data = make_data(TaskConfig(name="pointer_chase", options={"symbols": 8, "hops": 3}, n_train=8, n_test=8))
+    with pytest.raises(UserError, match="has no length option"):
+        data.at_length(8, 10)
+    parity = make_data(TaskConfig(name="parity", options={"length": 8, "min_length": 1}, n_train=8, n_test=8,
+                                  n_val=4, length_start=2))
+    other, cfg = parity.at_length(20, 10)
+    assert (other.test["size"] == 20).all() and cfg.options == {"length": 20, "min_length": 0}
+    assert cfg.n_val == 0 and cfg.length_start == 0 and len(other.test["inputs"]) == 10

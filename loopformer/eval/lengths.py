@@ -48,6 +48,26 @@ def parse_lengths(text: str | list) -> list[int]:
     return sorted(set(out))
 
 
+def plan_lengths(data: DataSource, cfg, lengths: list[int], *, loops: int = 0, max_loops: int = 0,
+                 limit: int = 0) -> list[tuple[int, DataSource, int, int]]:
+    """Every length checked before anything runs (a run config's `eval.lengths` at the start of training, the
+    `eval` command before its first forward): (n, the data at n, T(n) or `loops`, the curve's most loops) per length;
+    one-line UserErrors for a task without a length option, rows the model's positions cannot hold, or loops past
+    the evaluation cap. `cfg`: the model's config."""
+    rule = LoopRule.parse(cfg.loop_rule)
+    rows = limit or data.cfg.n_test
+    plan = []
+    for n in parse_lengths(lengths):
+        d_n, task_n = data.at_length(n, rows)
+        check_data_fits(d_n, task_n, cfg)
+        R = loops or rule.at(n, cfg.loops)
+        M = max(R, max_loops or 2 * R)
+        check_loops(R, cfg.total_loops, "loops")
+        check_loops(M, cfg.total_loops, "max_loops")
+        plan.append((n, d_n, R, M))
+    return plan
+
+
 def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, loops: int = 0, max_loops: int = 0,
                  batch_size: int = 256, limit: int = 0, device: torch.device | None = None,
                  autocast: Callable[[], Any] | None = None, progress: bool = False) -> dict[str, Any]:
@@ -61,17 +81,7 @@ def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, 
     at T(n))}]}."""
     cfg = raw.config
     rule = LoopRule.parse(cfg.loop_rule)
-    lengths = parse_lengths(lengths)
-    rows = limit or data.cfg.n_test
-    plan = []
-    for n in lengths:                                      # every length checked before the first one runs
-        d_n, task_n = data.at_length(n, rows)
-        check_data_fits(d_n, task_n, cfg)
-        R = loops or rule.at(n, cfg.loops)
-        M = max(R, max_loops or 2 * R)
-        check_loops(R, cfg.total_loops, "loops")
-        check_loops(M, cfg.total_loops, "max_loops")
-        plan.append((n, d_n, R, M))
+    plan = plan_lengths(data, cfg, lengths, loops=loops, max_loops=max_loops, limit=limit)
     out = []
     for n, d_n, R, M in plan:
         res = fixed_depth(raw, d_n, loops=R, max_loops=M, batch_size=batch_size, limit=0, loopwise=True,
@@ -130,4 +140,4 @@ def lengths_plot(res: dict[str, Any], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["parse_lengths", "length_curve", "format_lengths", "lengths_plot"]
+__all__ = ["parse_lengths", "plan_lengths", "length_curve", "format_lengths", "lengths_plot"]

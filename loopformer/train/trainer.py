@@ -39,6 +39,7 @@ from loopformer import configio
 from loopformer.configio import to_dict
 from loopformer.device import can_compile
 from loopformer.errors import UserError
+from loopformer.eval.lengths import plan_lengths
 from loopformer.eval.run import check_eval_config, evaluate_all
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, state_grad_norms, summarize_settle
 from loopformer.model.fixedpoint import solve_record
@@ -287,6 +288,9 @@ class Trainer:
         self.last_test: dict | None = None       # keep_best: the last step's test metrics, when other weights win
         self.rule = LoopRule.parse(cfg.model.loop_rule)     # loops from each row's size (length generalisation)
         check_covers(self.rule, cfg.model.loops, self.data.largest_size())
+        if cfg.eval.lengths:                     # the final evaluation's lengths, checked before the first step
+            plan_lengths(self.data, cfg.model, cfg.eval.lengths, loops=cfg.eval.loops,
+                         max_loops=cfg.eval.max_loops, limit=cfg.eval.n)
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
             half = self.autocast is not contextlib.nullcontext
