@@ -44,7 +44,8 @@ stage() {
   case "$1" in
     screen)  arms 0 ;;
     main)    arms "${SEEDS:-0,1,2}" ;;
-    collect) collect studies/lengths && python studies/lengths/lengths_summary.py studies/lengths ;;
+    collect) collect studies/lengths && "${PYTHON:-.venv/bin/python}" studies/lengths/lengths_summary.py studies/lengths \
+               > studies/lengths/summary.md ;;
     *) echo "unknown stage: $1" >&2; exit 2 ;;
   esac
 }
