@@ -60,8 +60,7 @@ def test_the_run_finishes_with_the_best_validation_weights(tmp_path, monkeypatch
     saved = load_file(str(tmp_path / "r" / "checkpoint" / "model.safetensors"))
     assert all(torch.equal(saved[k], copies[2][k]) for k in saved)
     assert any(not torch.equal(saved[k], copies[5][k]) for k in saved)
-    capsys_free = main(["eval", str(tmp_path / "r"), "--json", str(tmp_path / "e.json"), "--quiet", "--no-loopwise"])
-    assert capsys_free == 0
+    assert main(["eval", str(tmp_path / "r"), "--json", str(tmp_path / "e.json"), "--quiet", "--no-loopwise"]) == 0
     assert json.loads((tmp_path / "e.json").read_text())["metrics"] == pytest.approx(res["test"])
 
 

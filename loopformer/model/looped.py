@@ -310,17 +310,14 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         after the cached ones (None: 0..T-1)."""
         if positions is not None or not self.config.indexed_positions:
             return positions
-        T = x.shape[1]
-        if attn_mask is not None:   # left padding: the first real token is position 0
-            return (attn_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + T]
-        if past:
-            return torch.arange(past, past + T, device=x.device)
-        return None
+        if attn_mask is None and not past:
+            return None
+        return self._token_positions(x, None, attn_mask, past)
 
     def _token_positions(self, x: torch.Tensor, positions: torch.Tensor | None, attn_mask: torch.Tensor | None,
                          past: int) -> torch.Tensor:
-        """The positions of the new tokens for rotary encoding, [B|1,T]: given, counted from the first real token
-        under left padding, else past..past+T-1."""
+        """The positions of the new tokens, [B|1,T]: given, counted from the first real token under left padding
+        (the first real token is position 0), else past..past+T-1 (learned positions and rotary encoding alike)."""
         if positions is not None:
             return positions if positions.dim() == 2 else positions[None]
         T = x.shape[1]

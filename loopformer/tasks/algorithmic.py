@@ -32,7 +32,6 @@ import numpy as np
 
 from loopformer.tasks.base import TokenTask, Vocab
 from loopformer.tasks.common import (
-    answer_region,
     causal_targets,
     check_bool,
     check_range,
@@ -127,12 +126,6 @@ class LengthTask(TokenTask):
         row = batch["inputs"][i][:int(batch["length"][i])]
         return f"n={int(batch['size'][i])}  " + " ".join(self.vocab.decode(row))
 
-    def answers(self, batch: dict[str, np.ndarray]) -> list[list[str]]:
-        """Each row's answer tokens (without <eos>) as strings."""
-        width = int((batch["length"] - batch["answer_start"]).max()) - 1 if len(batch["length"]) else 0
-        region = answer_region(batch["inputs"], batch["answer_start"], max(width, 0))
-        n_ans = batch["length"] - batch["answer_start"] - 1
-        return [self.vocab.decode(region[i, :n_ans[i]]) for i in range(len(region))]
 
 
 def _bits(task: LengthTask, bits: np.ndarray) -> np.ndarray:
