@@ -152,9 +152,28 @@ def test_sample_loops_deterministic_in_range_and_spread():
     assert [int(sample_loops(fixed, s, 3, 0)[0]) for s in range(6)] == [loops_at(fixed, s, 3) for s in range(6)]
 
 
+def test_a_curriculum_runs_before_the_budgets_are_drawn(tmp_path):
+    """With a loop curriculum the drawn budgets start once it has reached the model's loops: its counts 1, 1, 2,
+    2 at steps 0-3 (start 1, +1 every 2 steps, r = 3), the draws from step 4 on — here past r, up to 7."""
+    cfg = load_run_config(None, [*TINY, "train.loops_start=1", "train.loops_every=2", "train.loops_sample=uniform",
+                                 "train.loops_min=3", "train.loops_max=7"]).train
+    got = [int(sample_loops(cfg, s, 3, 0)[0]) for s in range(40)]
+    assert got[:4] == [1, 1, 2, 2]
+    drawn = load_run_config(None, [*TINY, "train.loops_sample=uniform", "train.loops_min=3",
+                                   "train.loops_max=7"]).train
+    assert got[4:] == [int(sample_loops(drawn, s, 3, 0)[0]) for s in range(4, 40)]   # the same draws as without
+    assert set(got[4:]) == {3, 4, 5, 6, 7}
+    rows = sample_loops(cfg, 1, 3, 0, rows=5)                                        # per row: the curriculum's
+    assert rows.tolist() == [1] * 5
+    run = tiny(tmp_path, "train.steps=8", "train.loops_start=1", "train.loops_every=2", "train.loops_sample=uniform",
+               "train.loops_min=3", "train.loops_max=7", "train.loss_loops=all")
+    train(run)
+    logged = [r["loops"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
+    assert logged == [int(sample_loops(run.train, s, 3, 0)[0]) for s in range(8)] and logged[:4] == [1, 1, 2, 2]
+
+
 @pytest.mark.parametrize("extra,match", [
     (["train.loops_sample=uniform", "train.loops_min=5"], "exceeds the largest budget"),
-    (["train.loops_sample=uniform", "train.loops_start=1"], "excludes the loop curriculum"),
     (["train.loops_sample=uniform", "train.loops_sample_per=row", "train.loss_loops=all"], "loss_loops=last"),
     (["train.loops_sample=uniform", "train.loops_sample_per=row", "train.fixed_point=1"], "loops_sample_per=batch"),
     (["train.loops_sample=sometimes"], "loops_sample must be one of"),

@@ -70,7 +70,8 @@ class TrainConfig:
     # elastic depth (docs/elastic-depth.md): train one model for a range of loop budgets
     loops_sample: str = "fixed"       # the loop count R of a step: "fixed" (model.loops, or the curriculum) | drawn
                                       # "uniform" over loops_min..loops_max | "loguniform" (each octave alike);
-                                      # a pure function of (seed, step): exact resume
+                                      # a pure function of (seed, step): exact resume; with a loop curriculum,
+                                      # drawn once the curriculum has reached model.loops
     loops_min: int = 1
     loops_max: int = 0                # 0: model.loops
     loops_sample_per: str = "batch"   # "batch": one R per step | "row": one per row (each row stops after its own
@@ -230,8 +231,6 @@ class RunConfig:
             _need(tr.loops_min <= hi, f"train.loops_min={tr.loops_min} exceeds the largest budget {hi} "
                                       f"(train.loops_max, else model.loops)")
             _need(hi <= 1024, f"train.loops_max={hi} exceeds 1,024 loops")
-            _need(tr.loops_start == 0, "train.loops_sample draws the loop count: it excludes the loop curriculum "
-                                       "(train.loops_start)")
             if tr.loops_sample_per == "row":
                 _need(m.supervision_steps == 1, "train.loops_sample_per=row needs model.supervision_steps = 1 "
                                                 "(with supervision steps the budget is drawn per batch)")

@@ -7,7 +7,8 @@ Schedules (multipliers of the peak lr, paper App. C.1.3 and C.3):
     onecycle   warm-up, then cosine to min_lr (cosine with warm-up set by `warmup_fraction`)
 Loop curriculum (`train.loops_start`): the loop count rises by `loops_increment` every `loops_every` steps.
 Elastic depth (`train.loops_sample`): the loop count of a step (or of each row) drawn from a budget range by a
-generator seeded with (seed, step) (docs/elastic-depth.md; its losses are `loopformer.train.losses`).
+generator seeded with (seed, step) (docs/elastic-depth.md; its losses are `loopformer.train.losses`); with a loop
+curriculum, drawn once the curriculum has reached the model's loops.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ def budget_range(cfg: TrainConfig, final: int) -> tuple[int, int]:
 def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int = 1) -> np.ndarray:
     """Loop budgets of step `step` (`train.loops_sample`): [rows] ints in loops_min..loops_max, drawn "uniform" or
     "loguniform" (⌊exp(U(log lo, log(hi + 1)))⌋: each octave equally often) by a generator seeded with
-    (seed, step) — the same draw on every process and after a resume. "fixed": `loops_at` for every row."""
-    if not cfg.samples_budgets:
+    (seed, step) — the same draw on every process and after a resume. "fixed": `loops_at` for every row. With a loop
+    curriculum as well (`loops_start`), the curriculum's count until it reaches `final`, the draws from then on
+    (e.g. budgets past r once the r loops are learned, so that the answer is trained to hold past them)."""
+    if not cfg.samples_budgets or loops_at(cfg, step, final) < final:
         return np.full(rows, loops_at(cfg, step, final), dtype=np.int64)
     lo, hi = budget_range(cfg, final)
     rng = np.random.default_rng([seed, step, 0x100B5])

@@ -26,6 +26,10 @@ cd "$(dirname "$0")/../.."
 STUDY=${STUDY:-sweeps/depth}
 . scripts/study_lib.sh
 
+# the loop curriculum the pointer-chasing runs were made with (16 loops, +2 every 100 steps); the config's default
+# now starts at 12 and adds 2 every 200 steps (docs/stability.md)
+POINTER_AS_RUN=(train.loops_start=16 train.loops_every=100)
+
 # looped and TMLT at r = 4, 16, 32 over seeds 0-2 (paired by seed): depth CONFIG OUT [override ...]
 depth() {
   "$LF" sweep "configs/cpu/$1.yaml" eval.max_loops=64 "${@:3}" \
@@ -40,8 +44,8 @@ stage() {
   case "$1" in
     schedule)       depth schedule schedule ;;
     schedule-curve) curve schedule schedule-curve ;;
-    pointer)        depth pointer pointer ;;
-    pointer-curve)  curve pointer pointer-curve ;;
+    pointer)        depth pointer pointer "${POINTER_AS_RUN[@]}" ;;
+    pointer-curve)  curve pointer pointer-curve "${POINTER_AS_RUN[@]}" ;;
     word)
       "$LF" sweep configs/cpu/word.yaml eval.max_loops=64 --grid model.loops=4,16,32 --out "$STUDY/word" "${SW[@]}" ;;
     distinct)
@@ -49,12 +53,14 @@ stage() {
         --grid seed=0,1,2 model.loops=8,16 model.timestep=false,true --out "$STUDY/distinct" "${SW[@]}" ;;
     no-targets)
       for t in schedule pointer; do
-        "$LF" sweep "configs/cpu/$t.yaml" task.loop_targets=false eval.max_loops=64 \
+        extra=(); [ "$t" != pointer ] || extra=("${POINTER_AS_RUN[@]}")
+        "$LF" sweep "configs/cpu/$t.yaml" task.loop_targets=false eval.max_loops=64 "${extra[@]}" \
           --grid model.loops=4,32 --out "$STUDY/$t-no-targets" "${SW[@]}"
       done ;;
     paper)
       for t in schedule pointer; do
-        "$LF" sweep "configs/cpu/$t.yaml" model.timestep=true "${PAPER[@]}" eval.max_loops=64 \
+        extra=(); [ "$t" != pointer ] || extra=("${POINTER_AS_RUN[@]}")
+        "$LF" sweep "configs/cpu/$t.yaml" model.timestep=true "${PAPER[@]}" eval.max_loops=64 "${extra[@]}" \
           --grid model.loops=16 --out "$STUDY/$t-paper" "${SW[@]}"
       done ;;
     standard)
