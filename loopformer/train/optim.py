@@ -61,8 +61,9 @@ def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int =
     (seed, step) — the same draw on every process and after a resume. "fixed": `loops_at` for every row. With a loop
     curriculum as well (`loops_start`), the curriculum's count until it reaches `final`, the draws from then on
     (e.g. budgets past r once the r loops are learned, so that the answer is trained to hold past them)."""
-    if not cfg.samples_budgets or loops_at(cfg, step, final) < final:
-        return np.full(rows, loops_at(cfg, step, final), dtype=np.int64)
+    R = loops_at(cfg, step, final)
+    if not cfg.samples_budgets or R < final:
+        return np.full(rows, R, dtype=np.int64)
     lo, hi = budget_range(cfg, final)
     rng = np.random.default_rng([seed, step, 0x100B5])
     if cfg.loops_sample == "uniform":

@@ -29,6 +29,7 @@ STUDY=${STUDY:-sweeps/depth}
 # the loop curriculum the pointer-chasing runs were made with (16 loops, +2 every 100 steps); the config's default
 # now starts at 12 and adds 2 every 200 steps (docs/stability.md)
 POINTER_AS_RUN=(train.loops_start=16 train.loops_every=100)
+as_run() { [ "$1" != pointer ] || echo "${POINTER_AS_RUN[@]}"; }   # as_run TASK: its overrides, unquoted
 
 # looped and TMLT at r = 4, 16, 32 over seeds 0-2 (paired by seed): depth CONFIG OUT [override ...]
 depth() {
@@ -53,14 +54,14 @@ stage() {
         --grid seed=0,1,2 model.loops=8,16 model.timestep=false,true --out "$STUDY/distinct" "${SW[@]}" ;;
     no-targets)
       for t in schedule pointer; do
-        extra=(); [ "$t" != pointer ] || extra=("${POINTER_AS_RUN[@]}")
-        "$LF" sweep "configs/cpu/$t.yaml" task.loop_targets=false eval.max_loops=64 "${extra[@]}" \
+        # shellcheck disable=SC2046
+        "$LF" sweep "configs/cpu/$t.yaml" task.loop_targets=false eval.max_loops=64 $(as_run "$t") \
           --grid model.loops=4,32 --out "$STUDY/$t-no-targets" "${SW[@]}"
       done ;;
     paper)
       for t in schedule pointer; do
-        extra=(); [ "$t" != pointer ] || extra=("${POINTER_AS_RUN[@]}")
-        "$LF" sweep "configs/cpu/$t.yaml" model.timestep=true "${PAPER[@]}" eval.max_loops=64 "${extra[@]}" \
+        # shellcheck disable=SC2046
+        "$LF" sweep "configs/cpu/$t.yaml" model.timestep=true "${PAPER[@]}" eval.max_loops=64 $(as_run "$t") \
           --grid model.loops=16 --out "$STUDY/$t-paper" "${SW[@]}"
       done ;;
     standard)

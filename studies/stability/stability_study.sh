@@ -31,6 +31,8 @@ baseline() {
     --grid seed="$SEEDS" model.timestep=false,true --out "$STUDY/$2" "${SW[@]}"
 }
 
+# pointer chasing's loop curriculum, now its config's default (12 loops, +2 every 200 steps; docs/stability.md)
+SLOW="train.loops_start=12 train.loops_every=200 train.loops_increment=2"
 # the screened stabilisers: name and overrides (docs/stability.md says what each is)
 SCREENS=(
   "recipe:"
@@ -61,12 +63,12 @@ SCREENS=(
   "noise-long-skip20:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995 train.skip_spikes=20"
   "noise-long-best:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995 train.keep_best=true task.n_val=500 train.eval_every=250"
   "noise-long-skip20-best:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995 train.skip_spikes=20 train.keep_best=true task.n_val=500 train.eval_every=250"
-  "slow-curriculum:train.loops_start=12 train.loops_every=200 train.loops_increment=2"
-  "slow-curriculum-best:train.loops_start=12 train.loops_every=200 train.loops_increment=2 train.keep_best=true task.n_val=500 train.eval_every=250"
-  "slow-curriculum-fp:train.loops_start=12 train.loops_every=200 train.loops_increment=2 train.fixed_point=0.1 train.fixed_point_loops=4"
-  "slow-curriculum-noise:train.loops_start=12 train.loops_every=200 train.loops_increment=2 model.state_noise=0.05"
+  "slow-curriculum:$SLOW"
+  "slow-curriculum-best:$SLOW train.keep_best=true task.n_val=500 train.eval_every=250"
+  "slow-curriculum-fp:$SLOW train.fixed_point=0.1 train.fixed_point_loops=4"
+  "slow-curriculum-noise:$SLOW model.state_noise=0.05"
   "slow-curriculum-r64:model.loops=64 eval.max_loops=256 train.loops_start=12 train.loops_every=100 train.loops_increment=2"
-  "slow-curriculum-hold:train.loops_start=12 train.loops_every=200 train.loops_increment=2 train.loops_sample=uniform train.loops_min=32 train.loops_max=64"
+  "slow-curriculum-hold:$SLOW train.loops_sample=uniform train.loops_min=32 train.loops_max=64"
   "fixed-point-mode:model.solver=anderson model.solver_backward=phantom:4 task.loop_targets=false train.loss_loops=last train.loops_start=0"
   "noise-long-lr1e-3:model.state_noise=0.05 train.steps=4000 train.lr=1e-3 train.ema_decay=0.995"
 )
