@@ -83,9 +83,11 @@ def test_solution_is_the_long_unrolled_state(solver):
     assert m.last_solve is out.solve
 
 
-def test_tmlt_solves_the_map_of_the_last_trained_loop_index():
-    """t* = r − 1: the limit of the clamped unrolled TMLT, which differs from the fixed point of F(·, 0)."""
-    m = _contraction(timestep=True, timestep_past="clamp").eval()
+@pytest.mark.parametrize("past", ["clamp", "hold"])
+def test_tmlt_solves_the_map_of_the_loop_index_past_r(past):
+    """t* = r − 1 (clamp) or r (hold): the limit of the unrolled TMLT with that index past r, which differs from the
+    fixed point of F(·, 0)."""
+    m = _contraction(timestep=True, timestep_past=past).eval()
     unrolled = _same_weights(m, solver="unroll", solver_backward="bptt").eval()
     with torch.no_grad():
         h = m(X, loops=60).hidden

@@ -279,3 +279,25 @@ def test_training_with_an_exit_gate(tmp_path):
         res = train(cfg)
         assert math.isfinite(res["test"]["accuracy"])
         assert load(tmp_path / loss / "checkpoint").exit_gate is not None
+
+
+def test_timestep_past_hold_reads_one_index_of_its_own_past_r():
+    cfg = ModelConfig(vocab_size=16, max_len=8, d_model=16, n_heads=2, loops=3, timestep=True)
+    torch.manual_seed(0)
+    model = LoopedTransformer(cfg)
+    with torch.no_grad():
+        for p in model.timestep.parameters():
+            p.normal_()
+        for blk in model.blocks:
+            blk.modulation.weight.normal_()
+    cont = model.modulations(7, torch.device("cpu"))
+    model.config = cfg.replace(timestep_past="hold")
+    assert model.loop_indices(7, torch.device("cpu")).tolist() == [0, 1, 2, 3, 3, 3, 3]
+    hold = model.modulations(7, torch.device("cpu"))
+    assert torch.equal(cont[:4], hold[:4])                         # loops 0..r-1 and the hold index r itself
+    assert all(torch.equal(hold[t], cont[3]) for t in range(4, 7))  # every later loop reads index r
+    assert not torch.equal(hold[3], hold[2])                       # not the last trained loop's (clamp's) index
+    tau, _ = model.loop_times(5, torch.device("cpu"), budget=3)    # the budget-aware time stops at the budget
+    assert tau.tolist() == [0.0, 1.0, 2.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match="learned table"):
+        cfg.replace(timestep_past="hold", timestep_embed="learned")

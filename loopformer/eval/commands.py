@@ -240,8 +240,9 @@ def register(subparsers) -> None:
                         "regenerated at each with the model's loops T(n) (its loop rule; --loops: that many), and "
                         "against loops up to 2·T(n) (--max-loops: that many)")
     p.add_argument("--plot", metavar="FILE", help="draw the --halt-sweep, the --budgets or the --lengths (PNG)")
-    p.add_argument("--past-r", choices=["continue", "clamp"], default=None,
-                   help="the timestep encoding's loop index past the trained loops (default: the checkpoint's)")
+    p.add_argument("--past-r", choices=["continue", "clamp", "hold"], default=None,
+                   help="the timestep encoding's loop index past the trained loops: continue the sinusoid, clamp to "
+                        "r - 1, or hold at the index r (default: the checkpoint's)")
     p.add_argument("--data", metavar="DIR", help="evaluate on this dataset folder of the model's task (another seed, "
                                                  "more blanks, an imported file) instead of the run's test split")
     p.add_argument("--task-opt", action="append", metavar="KEY=VALUE",

@@ -20,7 +20,7 @@ from loopformer.model.stability import check as check_stabilisers
 
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _HEADS = ("lm", "sequence", "regression")
-_PAST_R = ("continue", "clamp")
+_PAST_R = ("continue", "clamp", "hold")
 _TIMES = ("index", "normalized")
 # upper bounds of the size fields (far above any model that fits a machine today; checked before allocating)
 LIMITS = {"vocab_size": 1 << 24, "input_dim": 1 << 20, "max_len": 1 << 24, "d_model": 1 << 17, "n_heads": 1 << 12,
@@ -74,7 +74,9 @@ class ModelConfig:
                                       # parametrisation). See docs/elastic-depth.md
     timestep_past: str = "continue"   # the loop index past the trained loops (t >= loops): "continue" the sinusoid
                                       # PE(t) | "clamp" to the last trained t = loops - 1 (a learned table always
-                                      # clamps). Changes no weights: choose it at load / evaluation time
+                                      # clamps) | "hold": every loop past r reads one index of its own, t = loops
+                                      # (the hold index: trained by loop counts drawn past r, `train.loops_sample`;
+                                      # sinusoid only). Changes no weights: choose it at load / evaluation time
     input_injection: bool = False     # add the read-in embedding before every loop after the first
     # stabilisers of deep loops (loopformer.model.stability; docs/stability.md): all off by default
     start_state: str = "input"        # h_0: "input" (the read-in e) | "zeros" (0, e injected before the first loop
@@ -162,6 +164,9 @@ class ModelConfig:
              f"timestep_embed must be 'sinusoid' or 'learned' (got {self.timestep_embed!r})")
         need(math.isfinite(self.timestep_scale) and self.timestep_scale > 0, "timestep_scale must be > 0")
         need(self.timestep_past in _PAST_R, f"timestep_past must be one of {_PAST_R} (got {self.timestep_past!r})")
+        need(self.timestep_past != "hold" or self.timestep_embed == "sinusoid",
+             "timestep_past='hold' reads the index r, which a learned table (r vectors) lacks: use "
+             "timestep_embed='sinusoid'")
         need(self.timestep_time in _TIMES, f"timestep_time must be one of {_TIMES} (got {self.timestep_time!r})")
         if self.timestep_time == "normalized":
             need(self.timestep, "timestep_time='normalized' conditions the timestep encoding: set timestep=true")

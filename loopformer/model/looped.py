@@ -136,26 +136,29 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         """The loop index fed to the timestep encoding at loops offset..offset+R-1 (loop t counted from the first
         loop of the first supervision step): t itself; with `step_timestep="restart"` t mod r, the loop within its
         supervision step (a step is r = `loops` loops); past the trained loops (t >= r) with
-        `timestep_past="clamp"` the last trained index r - 1.  [R] int64."""
+        `timestep_past="clamp"` the last trained index r - 1, with `"hold"` the index r (one index for every loop
+        past r).  [R] int64."""
         cfg = self.config
         t = torch.arange(offset, offset + loops, device=device)
         if cfg.step_timestep == "restart":
             t = t % cfg.loops
-        return t.clamp(max=cfg.loops - 1) if cfg.timestep_past == "clamp" else t
+        past = {"clamp": cfg.loops - 1, "hold": cfg.loops}.get(cfg.timestep_past)
+        return t if past is None else t.clamp(max=past)
 
     def loop_times(self, loops: int, device: torch.device, offset: int = 0,
                    budget: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A budget-aware model's (`timestep_time="normalized"`) sinusoid arguments at loops offset..offset+R-1 of a
         run of `budget` loops (default offset + R; a tensor [B]: a budget per row): (r·t / budget, r / budget) —
         the time τ = t / budget and step Δt = 1 / budget in units of the trained r, so that at budget r the time is
-        the paper's loop index t. With `timestep_past="clamp"`, t stops at budget − 1.  [R] each ([R,B] per row)."""
+        the paper's loop index t. With `timestep_past="clamp"`, t stops at budget − 1 (`"hold"`: at budget).
+        [R] each ([R,B] per row)."""
         r = float(self.config.loops)
         n = torch.as_tensor(offset + loops if budget is None else budget, device=device, dtype=torch.float32)
         t = torch.arange(offset, offset + loops, device=device, dtype=torch.float32)
         if n.dim():                                                                     # a budget per row
             t, n = t[:, None], n[None]
-        if self.config.timestep_past == "clamp":
-            t = torch.minimum(t, n - 1)
+        if self.config.timestep_past in ("clamp", "hold"):
+            t = torch.minimum(t, n - int(self.config.timestep_past == "clamp"))
         tau = r * t / n
         return tau, (r / n).expand_as(tau)
 

@@ -69,6 +69,9 @@ SCREENS=(
   "slow-curriculum-noise:$SLOW model.state_noise=0.05"
   "slow-curriculum-r64:model.loops=64 eval.max_loops=256 train.loops_start=12 train.loops_every=100 train.loops_increment=2"
   "slow-curriculum-hold:$SLOW train.loops_sample=uniform train.loops_min=32 train.loops_max=64"
+  "slow-curriculum-hold-clamp:$SLOW train.loops_sample=uniform train.loops_min=32 train.loops_max=64 model.timestep_past=clamp"
+  "slow-curriculum-hold-index:$SLOW train.loops_sample=uniform train.loops_min=32 train.loops_max=64 model.timestep_past=hold"
+  "noise-long-hold-index:model.state_noise=0.05 train.steps=4000 train.ema_decay=0.995 train.loops_sample=uniform train.loops_min=32 train.loops_max=64 model.timestep_past=hold"
   "fixed-point-mode:model.solver=anderson model.solver_backward=phantom:4 task.loop_targets=false train.loss_loops=last train.loops_start=0"
   "noise-long-lr1e-3:model.state_noise=0.05 train.steps=4000 train.lr=1e-3 train.ema_decay=0.995"
 )
