@@ -226,6 +226,33 @@ def tiny_runs(tmp_path_factory):
     return base
 
 
+def test_confident_stop_reads_each_row_at_its_most_confident_loop(tiny_runs):
+    """The stop against a hand computation: every row of size 10 run 20 loops, the loop whose greedy answer has the
+    largest summed log-probability over the answer positions (the first of equals), scored by the task."""
+    from loopformer.eval.lengths import confident_stop, length_curve
+    run = tiny_runs / "rule"
+    model = load(resolve_checkpoint(str(run)), device=torch.device("cpu")).eval()
+    cfg = load_run_config(str(run / "config.yaml"))
+    data = make_data(cfg.task)
+    d10, _ = data.at_length(10, 30)
+    metrics, mean_loop = confident_stop(model, d10, 20, batch_size=7)
+    task = get_task("parity", length=10)
+    b = task.generate(30, cfg.task.seed, "test")
+    assert np.array_equal(d10.test_rows(30)["inputs"], b["inputs"])                        # the same rows
+    x = torch.as_tensor(b["inputs"], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(x, loops=20, return_all=True).all_logits.float()                     # [20,30,T,C]
+    scored = torch.as_tensor(b["targets"]) != IGNORE
+    conf = [[float(sum(logits[t, i, j].log_softmax(-1).max() for j in range(x.shape[1]) if scored[i, j]))
+             for t in range(20)] for i in range(30)]
+    stop = [max(range(20), key=lambda t: (c[t], -t)) for c in conf]                        # the first best loop
+    pred = torch.stack([logits[stop[i], i] for i in range(30)]).argmax(-1).numpy()
+    assert metrics["accuracy"] == pytest.approx(task.metrics(pred, b)["accuracy"])
+    assert mean_loop == pytest.approx(1 + np.mean(stop))
+    res = length_curve(model, data, [10], limit=30)["lengths"][0]
+    assert res["confident"] == pytest.approx(metrics["accuracy"]) and res["confident_loops"] == mean_loop
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--lengths", "0"], "every length must be >= 1"),
     (["--lengths", "4,-2"], "every length must be >= 1"),

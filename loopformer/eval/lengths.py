@@ -6,8 +6,11 @@ variable-size tasks, `loopformer.tasks.algorithmic`, and the word problem, min_l
 (test rows, disjoint from its training rows), and the model runs T(n) loops — its loop rule's (`model.loop_rule`,
 `loopformer.model.lengths`; r for a fixed rule) or the loops given — with the read-out after every loop up to
 2·T(n) (or the loops given as the most), so one pass gives the metric at T(n), past it (does the answer hold?) and
-at the best loop. Rows longer than a model with learned positions has, or loop counts past the evaluation cap, are
-one-line errors.
+at the best loop. The best loop reads the labels; a stop that does not: every row read after the loop, among
+1..2·T(n), whose greedy answer the model is most confident of (`confident_stop`: the largest log-probability of the
+answer, summed over the scored positions; Fan et al.'s stopping rule for looped models run past their training
+lengths, ICLR 2025). Rows longer than a model with learned positions has, or loop counts past the evaluation cap,
+are one-line errors.
 
 Shapes: R loops.
 """
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 
 from loopformer.errors import UserError
-from loopformer.eval.evaluate import fixed_depth
+from loopformer.eval.evaluate import fixed_depth, read_outs
 from loopformer.model.lengths import LoopRule
 from loopformer.model.memory import check_loops
 from loopformer.sources import DataSource, check_data_fits
@@ -68,6 +71,33 @@ def plan_lengths(data: DataSource, cfg, lengths: list[int], *, loops: int = 0, m
     return plan
 
 
+def confident_stop(raw: torch.nn.Module, data: DataSource, loops: int, *, batch_size: int = 256, limit: int = 0,
+                   device: torch.device | None = None, autocast: Callable[[], Any] | None = None
+                   ) -> tuple[dict[str, float], float]:
+    """The metrics when every test row is read after the loop t in 1..`loops` where the model is most confident of
+    its greedy answer, c_t = Σ_i max_v log p_t(v | position i) over the row's scored positions (`DataSource.counted`;
+    ties: the earliest t), and the mean t chosen. Every row runs every loop; no label is read to choose t."""
+    device = device or next(raw.parameters()).device
+    autocast = autocast or contextlib.nullcontext
+    parts, stops = [], []
+    was_training = raw.training
+    raw.eval()
+    try:
+        with torch.no_grad():
+            for batch in data.eval_batches(batch_size, limit, loops, raw.config.out_dim):
+                t = data.as_tensors(batch, device)
+                counted = data.counted(t)                                                   # [b,T]
+                logits = read_outs(raw, t["inputs"], loops, True, autocast).float()         # [R,b,T,C]
+                conf = (logits.log_softmax(-1).amax(-1) * counted).sum(-1)                  # [R,b]
+                stop = conf.argmax(0)                                                       # [b]: the first best
+                chosen = logits[stop, torch.arange(len(stop), device=stop.device)]          # [b,T,C]
+                parts.append(data.score(chosen[None], batch))
+                stops.append(stop + 1)
+    finally:
+        raw.train(was_training)
+    return data.summarize(parts, limit, raw.config.loops)[0], float(torch.cat(stops).float().mean())
+
+
 def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, loops: int = 0, max_loops: int = 0,
                  batch_size: int = 256, limit: int = 0, device: torch.device | None = None,
                  autocast: Callable[[], Any] | None = None, progress: bool = False) -> dict[str, Any]:
@@ -77,8 +107,10 @@ def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, 
 
     Returns {"rule", "formula", "metric", "higher_is_better", "trained_size" (the largest training size, None when
     the rows record none), "lengths": [{"length", "loops", "max_loops", "metric" (at T(n)), "at_2x" (at 2·T(n), None
-    when the curve stops before), "best", "best_loop", "loopwise" [metric after loop 1..R], "metrics" (every metric
-    at T(n))}]}."""
+    when the curve stops before), "best", "best_loop" (the best single loop, read from the labels), "confident" (the
+    metric with every row stopped at its most confident loop up to the curve's end, `confident_stop`; None for data
+    without token read-outs), "confident_loops" (the mean loop it stops at), "loopwise" [metric after loop 1..R],
+    "metrics" (every metric at T(n))}]}."""
     cfg = raw.config
     rule = LoopRule.parse(cfg.loop_rule)
     plan = plan_lengths(data, cfg, lengths, loops=loops, max_loops=max_loops, limit=limit)
@@ -90,24 +122,32 @@ def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, 
         curve = [float(p[data.metric]) for p in res["loopwise"]] or [float(res["metrics"][data.metric])]
         pick = max if data.higher_is_better else min
         best = pick(range(len(curve)), key=lambda t: curve[t])
+        conf, conf_loops = (None, None)
+        if cfg.head == "lm":                                        # token read-outs: a confidence to stop on
+            m, conf_loops = confident_stop(raw, d_n, M, batch_size=batch_size, device=device, autocast=autocast)
+            conf = float(m[data.metric])
         out.append({"length": n, "loops": R, "max_loops": M, "metric": curve[R - 1],
                     "at_2x": curve[2 * R - 1] if len(curve) >= 2 * R else None, "best": curve[best],
-                    "best_loop": best + 1, "loopwise": curve, "metrics": res["metrics"]})
+                    "best_loop": best + 1, "confident": conf, "confident_loops": conf_loops, "loopwise": curve,
+                    "metrics": res["metrics"]})
     return {"rule": str(rule), "formula": rule.describe(), "metric": data.metric,
             "higher_is_better": data.higher_is_better, "trained_size": data.largest_size(), "lengths": out}
 
 
 def format_lengths(res: dict[str, Any]) -> str:
-    """A markdown table: per length, the loops run, the metric at T(n), at 2·T(n) and at the best loop."""
+    """A markdown table: per length, the loops run, the metric at T(n), at 2·T(n), at the best loop (read from the
+    labels) and with every row stopped at its most confident loop (the mean loop it stops at)."""
     m, trained = res["metric"], res.get("trained_size")
     pct = (lambda v: "—" if v is None else f"{100 * v:.1f}") if m == "accuracy" else \
         (lambda v: "—" if v is None else f"{v:.4g}")
     lines = [f"loops T(n) = {res['formula']}" + (f"; trained on sizes up to {trained}" if trained else ""), "",
-             f"| length n | loops T(n) | {m} at T(n) | at 2·T(n) | best (loop) |", "|---:|---:|---:|---:|---|"]
+             f"| length n | loops T(n) | {m} at T(n) | at 2·T(n) | best (loop) | most confident loop (mean) |",
+             "|---:|---:|---:|---:|---|---|"]
     for p in res["lengths"]:
         mark = "" if trained is None or p["length"] <= trained else " ×" + f"{p['length'] / trained:g}"
+        conf = "—" if p.get("confident") is None else f"{pct(p['confident'])} ({p['confident_loops']:.1f})"
         lines.append(f"| {p['length']}{mark} | {p['loops']} | {pct(p['metric'])} | {pct(p['at_2x'])} | "
-                     f"{pct(p['best'])} ({p['best_loop']}) |")
+                     f"{pct(p['best'])} ({p['best_loop']}) | {conf} |")
     return "\n".join(lines)
 
 
@@ -140,4 +180,4 @@ def lengths_plot(res: dict[str, Any], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["parse_lengths", "plan_lengths", "length_curve", "format_lengths", "lengths_plot"]
+__all__ = ["parse_lengths", "plan_lengths", "confident_stop", "length_curve", "format_lengths", "lengths_plot"]
