@@ -182,7 +182,8 @@ def test_halting_target_loss_by_hand():
 
 
 # ------------------------------------------------------------------------------------------------- past the trained r
-def test_timestep_past_clamp_repeats_the_last_trained_loop():
+def _tmlt_with_random_modulations() -> tuple[ModelConfig, LoopedTransformer]:
+    """A 3-loop TMLT whose timestep embedder and modulations are random (so every loop index modulates apart)."""
     cfg = ModelConfig(vocab_size=16, max_len=8, d_model=16, n_heads=2, loops=3, timestep=True)
     torch.manual_seed(0)
     model = LoopedTransformer(cfg)
@@ -191,6 +192,11 @@ def test_timestep_past_clamp_repeats_the_last_trained_loop():
             p.normal_()
         for blk in model.blocks:
             blk.modulation.weight.normal_()
+    return cfg, model
+
+
+def test_timestep_past_clamp_repeats_the_last_trained_loop():
+    cfg, model = _tmlt_with_random_modulations()
     cont = model.modulations(6, torch.device("cpu"))
     model.config = cfg.replace(timestep_past="clamp")
     clamp = model.modulations(6, torch.device("cpu"))
@@ -282,14 +288,7 @@ def test_training_with_an_exit_gate(tmp_path):
 
 
 def test_timestep_past_hold_reads_one_index_of_its_own_past_r():
-    cfg = ModelConfig(vocab_size=16, max_len=8, d_model=16, n_heads=2, loops=3, timestep=True)
-    torch.manual_seed(0)
-    model = LoopedTransformer(cfg)
-    with torch.no_grad():
-        for p in model.timestep.parameters():
-            p.normal_()
-        for blk in model.blocks:
-            blk.modulation.weight.normal_()
+    cfg, model = _tmlt_with_random_modulations()
     cont = model.modulations(7, torch.device("cpu"))
     model.config = cfg.replace(timestep_past="hold")
     assert model.loop_indices(7, torch.device("cpu")).tolist() == [0, 1, 2, 3, 3, 3, 3]

@@ -1,7 +1,8 @@
 """The length-generalisation study's tables (docs/length-generalisation.md) from the compact results that
 `bash studies/lengths/lengths_study.sh collect` copies: per task, every arm's exact match at each evaluated length
 (runs' results.json "lengths": T(n) loops for a looped block, one pass for a standard transformer), per seed, then
-per arm the median [min–max] over seeds at the training length n and at 2n and 4n, with the seeds at ≥ 95 %.
+per arm the median [min–max] over seeds at the training length n and at 2n and 4n, with the seeds at ≥ 95 %, and at
+2n with every row stopped at its most confident loop (runs evaluated since that stop exists; "—" before).
 
     python studies/lengths/lengths_summary.py studies/lengths > studies/lengths/summary.md
 """
@@ -23,7 +24,8 @@ def runs(sweep: Path) -> list[dict]:
             continue
         out.append({"seed": r.get("seed"), "params": r.get("params"), "minutes": r.get("train_time_s", 0) / 60,
                     "trained": r["lengths"].get("trained_size"), "formula": r["lengths"].get("formula"),
-                    "at": {p["length"]: (p["metric"], p["loops"]) for p in r["lengths"]["lengths"]}})
+                    "at": {p["length"]: (p["metric"], p["loops"]) for p in r["lengths"]["lengths"]},
+                    "confident": {p["length"]: p.get("confident") for p in r["lengths"]["lengths"]}})
     return out
 
 
@@ -50,7 +52,8 @@ def summary(root: Path) -> str:
                 cells = [_pct(r["at"].get(n, (None, 0))[0]) for n in lengths]
                 lines.append(f"| {name} | {r['seed']} | {r['params']:,} | {r['formula']} | " + " | ".join(cells)
                              + f" | {r['minutes']:.1f} |")
-        lines += ["", "| arm | seeds | at n | at 2n | at 4n | ≥ 95 % at 2n |", "|---|---:|---|---|---|---:|"]
+        lines += ["", "| arm | seeds | at n | at 2n | at 4n | ≥ 95 % at 2n | at 2n, most confident loop |",
+                  "|---|---:|---|---|---|---:|---|"]
         for name, rs in found.items():
             if not rs:
                 continue
@@ -60,7 +63,9 @@ def summary(root: Path) -> str:
                 vals = [r["at"][m][0] for r in rs if m in r["at"]]
                 cols.append(f"{_pct(median(vals))} [{_pct(min(vals))}–{_pct(max(vals))}]" if vals else "—")
             good = sum(1 for r in rs if 2 * n in r["at"] and r["at"][2 * n][0] >= 0.95)
-            lines.append(f"| {name} | {len(rs)} | " + " | ".join(cols) + f" | {good}/{len(rs)} |")
+            conf = [r["confident"].get(2 * n) for r in rs if r["confident"].get(2 * n) is not None]
+            conf_text = f"{_pct(median(conf))} [{_pct(min(conf))}–{_pct(max(conf))}]" if conf else "—"
+            lines.append(f"| {name} | {len(rs)} | " + " | ".join(cols) + f" | {good}/{len(rs)} | {conf_text} |")
         lines.append("")
     return "\n".join(lines)
 
