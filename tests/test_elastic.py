@@ -172,7 +172,30 @@ def test_a_curriculum_runs_before_the_budgets_are_drawn(tmp_path):
     assert logged == [int(sample_loops(run.train, s, 3, 0)[0]) for s in range(8)] and logged[:4] == [1, 1, 2, 2]
 
 
+def test_loops_hold_draws_r_to_f_r_after_the_curriculum_and_follows_r(tmp_path):
+    """train.loops_hold=f: the curriculum's counts, then uniform draws over r..⌈f·r⌉ — the very draws of
+    loops_sample=uniform loops_min=r loops_max=⌈f·r⌉ — for any r (3..8 at r = 3, 5..12 at r = 5 with f = 2.34)."""
+    for r, hi in ((3, 8), (5, 12)):
+        hold = load_run_config(None, [*TINY, f"model.loops={r}", "train.loops_start=1", "train.loops_every=2",
+                                      "train.loops_hold=2.34"]).train
+        same = load_run_config(None, [*TINY, f"model.loops={r}", "train.loops_start=1", "train.loops_every=2",
+                                      "train.loops_sample=uniform", f"train.loops_min={r}",
+                                      f"train.loops_max={hi}"]).train
+        got = np.concatenate([sample_loops(hold, s, r, 0, rows=4) for s in range(300)])
+        assert np.array_equal(got, np.concatenate([sample_loops(same, s, r, 0, rows=4) for s in range(300)]))
+        assert set(got[4 * 2 * (r - 1):].tolist()) == set(range(r, hi + 1))            # after the curriculum
+        assert sample_loops(hold, 0, r, 0).tolist() == [1]                             # the curriculum first
+    run = tiny(tmp_path, "train.steps=6", "train.loops_hold=2", "train.loss_loops=all")
+    res = train(run)
+    logged = [r["loops"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
+    assert logged == [int(sample_loops(run.train, s, 3, 0)[0]) for s in range(6)] and set(logged) <= {3, 4, 5, 6}
+    assert res["loops_sample"]["kind"] == "hold" and res["loops_sample"]["range"] == [3, 6]
+
+
 @pytest.mark.parametrize("extra,match", [
+    (["train.loops_hold=1"], "loops_hold must be 0"),
+    (["train.loops_hold=-2"], "loops_hold must be 0"),
+    (["train.loops_hold=2", "train.loops_sample=uniform"], "leave train.loops_sample at fixed"),
     (["train.loops_sample=uniform", "train.loops_min=5"], "exceeds the largest budget"),
     (["train.loops_sample=uniform", "train.loops_sample_per=row", "train.loss_loops=all"], "loss_loops=last"),
     (["train.loops_sample=uniform", "train.loops_sample_per=row", "train.fixed_point=1"], "loops_sample_per=batch"),

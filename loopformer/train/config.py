@@ -74,6 +74,10 @@ class TrainConfig:
                                       # drawn once the curriculum has reached model.loops
     loops_min: int = 1
     loops_max: int = 0                # 0: model.loops
+    loops_hold: float = 0.0           # f > 1: once the loop curriculum has reached r = model.loops (from the first
+                                      # step without one), each step draws its loop count uniformly from r..⌈f·r⌉
+                                      # and the answer is trained to hold past r (docs/stability.md); the same as
+                                      # loops_sample=uniform loops_min=r loops_max=⌈f·r⌉, but following r; 0: off
     loops_sample_per: str = "batch"   # "batch": one R per step | "row": one per row (each row stops after its own
                                       # loops; the step runs the batch's largest; needs loss_loops=last)
     loop_jitter: int = 0              # with model.loop_rule: every row runs T(n) + U{0..loop_jitter} loops in training
@@ -157,6 +161,10 @@ class TrainConfig:
         _need(self.loops_sample_per in SAMPLE_PER,
               f"train.loops_sample_per must be one of {SAMPLE_PER} (got {self.loops_sample_per!r})")
         _need(self.loops_min >= 1 and self.loops_max >= 0, "train.loops_min must be >= 1 and train.loops_max >= 0")
+        _need(self.loops_hold == 0 or 1 < self.loops_hold <= 64,
+              f"train.loops_hold must be 0 (off) or in (1, 64] (got {self.loops_hold})")
+        _need(self.loops_hold == 0 or self.loops_sample == "fixed",
+              "train.loops_hold draws the loop counts r..f·r itself: leave train.loops_sample at fixed")
         _need(0 <= self.loop_jitter <= 1024, f"train.loop_jitter must be in 0..1024 (got {self.loop_jitter})")
         _need(self.consistency >= 0 and self.fixed_point >= 0, "train.consistency and train.fixed_point must be >= 0")
         _need(math.isfinite(self.jacobian) and self.jacobian >= 0,
@@ -178,8 +186,9 @@ class TrainConfig:
 
     @property
     def samples_budgets(self) -> bool:
-        """Whether a step's loop count is drawn from a budget range (`loops_sample` other than "fixed")."""
-        return self.loops_sample != "fixed"
+        """Whether a step's loop count is drawn from a budget range (`loops_sample` other than "fixed", or
+        `loops_hold`)."""
+        return self.loops_sample != "fixed" or self.loops_hold > 0
 
 
 @dataclass
@@ -227,7 +236,7 @@ class RunConfig:
                                            "train.loss_loops to all or window")
             _need(m.supervision_steps == 1, "task.loop_targets needs model.supervision_steps = 1")
         if tr.samples_budgets:
-            hi = tr.loops_max or m.loops
+            hi = math.ceil(tr.loops_hold * m.loops) if tr.loops_hold else (tr.loops_max or m.loops)
             _need(tr.loops_min <= hi, f"train.loops_min={tr.loops_min} exceeds the largest budget {hi} "
                                       f"(train.loops_max, else model.loops)")
             _need(hi <= 1024, f"train.loops_max={hi} exceeds 1,024 loops")

@@ -51,7 +51,10 @@ def loops_at(cfg: TrainConfig, step: int, final: int) -> int:
 
 
 def budget_range(cfg: TrainConfig, final: int) -> tuple[int, int]:
-    """The loop budgets training draws from (`train.loops_sample`): (loops_min, loops_max or the model's loops)."""
+    """The loop budgets training draws from (`train.loops_sample`): (loops_min, loops_max or the model's loops);
+    with `train.loops_hold` f: (r, ⌈f·r⌉), r = `final`."""
+    if cfg.loops_hold:
+        return final, math.ceil(cfg.loops_hold * final)
     return cfg.loops_min, cfg.loops_max or final
 
 
@@ -66,7 +69,7 @@ def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int =
         return np.full(rows, R, dtype=np.int64)
     lo, hi = budget_range(cfg, final)
     rng = np.random.default_rng([seed, step, 0x100B5])
-    if cfg.loops_sample == "uniform":
+    if cfg.loops_sample == "uniform" or cfg.loops_hold:
         return rng.integers(lo, hi + 1, size=rows)
     draw = np.floor(np.exp(rng.uniform(math.log(lo), math.log(hi + 1), size=rows))).astype(np.int64)
     return np.clip(draw, lo, hi)

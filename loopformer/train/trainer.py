@@ -800,7 +800,7 @@ class Trainer:
                 **({"loop_rule": cfg.model.loop_rule, "loop_jitter": tc.loop_jitter}
                    if cfg.model.loop_rule != "fixed" else {}),
                 **({"skipped_steps": self.spikes.skipped} if self.spikes is not None else {}),
-                **({"loops_sample": {"kind": tc.loops_sample, "per": tc.loops_sample_per,
+                **({"loops_sample": {"kind": "hold" if tc.loops_hold else tc.loops_sample, "per": tc.loops_sample_per,
                                      "range": list(budget_range(tc, cfg.model.loops))}}
                    if tc.samples_budgets else {}),
                 **({"references": refs} if (refs := self.data.references()) else {}),
