@@ -185,6 +185,12 @@ def test_loops_hold_draws_r_to_f_r_after_the_curriculum_and_follows_r(tmp_path):
         assert np.array_equal(got, np.concatenate([sample_loops(same, s, r, 0, rows=4) for s in range(300)]))
         assert set(got[4 * 2 * (r - 1):].tolist()) == set(range(r, hi + 1))            # after the curriculum
         assert sample_loops(hold, 0, r, 0).tolist() == [1]                             # the curriculum first
+    late = load_run_config(None, [*TINY, "train.loops_hold=2", "train.loops_sample_from=30"]).train
+    drawn = [int(sample_loops(late, s, 3, 0)[0]) for s in range(60)]
+    assert drawn[:30] == [3] * 30                                                     # r until step 30 ...
+    now = load_run_config(None, [*TINY, "train.loops_hold=2"]).train
+    assert drawn[30:] == [int(sample_loops(now, s, 3, 0)[0]) for s in range(30, 60)]  # ... then the same draws
+    assert set(drawn[30:]) == {3, 4, 5, 6}
     run = tiny(tmp_path, "train.steps=6", "train.loops_hold=2", "train.loss_loops=all")
     res = train(run)
     logged = [r["loops"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
@@ -194,6 +200,7 @@ def test_loops_hold_draws_r_to_f_r_after_the_curriculum_and_follows_r(tmp_path):
 
 @pytest.mark.parametrize("extra,match", [
     (["train.loops_hold=1"], "loops_hold must be 0"),
+    (["train.loops_hold=2", "train.loops_sample_from=-1"], "loops_sample_from must be >= 0"),
     (["train.loops_hold=-2"], "loops_hold must be 0"),
     (["train.loops_hold=2", "train.loops_sample=uniform"], "leave train.loops_sample at fixed"),
     (["train.loops_sample=uniform", "train.loops_min=5"], "exceeds the largest budget"),

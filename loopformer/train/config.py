@@ -78,6 +78,8 @@ class TrainConfig:
                                       # step without one), each step draws its loop count uniformly from r..⌈f·r⌉
                                       # and the answer is trained to hold past r (docs/stability.md); the same as
                                       # loops_sample=uniform loops_min=r loops_max=⌈f·r⌉, but following r; 0: off
+    loops_sample_from: int = 0        # the first step whose loop count is drawn (loops_sample, loops_hold); the steps
+                                      # before it run model.loops (or the curriculum): learn at r, then draw
     loops_sample_per: str = "batch"   # "batch": one R per step | "row": one per row (each row stops after its own
                                       # loops; the step runs the batch's largest; needs loss_loops=last)
     loop_jitter: int = 0              # with model.loop_rule: every row runs T(n) + U{0..loop_jitter} loops in training
@@ -161,6 +163,7 @@ class TrainConfig:
         _need(self.loops_sample_per in SAMPLE_PER,
               f"train.loops_sample_per must be one of {SAMPLE_PER} (got {self.loops_sample_per!r})")
         _need(self.loops_min >= 1 and self.loops_max >= 0, "train.loops_min must be >= 1 and train.loops_max >= 0")
+        _need(self.loops_sample_from >= 0, f"train.loops_sample_from must be >= 0 (got {self.loops_sample_from})")
         _need(self.loops_hold == 0 or 1 < self.loops_hold <= 64,
               f"train.loops_hold must be 0 (off) or in (1, 64] (got {self.loops_hold})")
         _need(self.loops_hold == 0 or self.loops_sample == "fixed",

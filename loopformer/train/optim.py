@@ -63,9 +63,10 @@ def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int =
     "loguniform" (⌊exp(U(log lo, log(hi + 1)))⌋: each octave equally often) by a generator seeded with
     (seed, step) — the same draw on every process and after a resume. "fixed": `loops_at` for every row. With a loop
     curriculum as well (`loops_start`), the curriculum's count until it reaches `final`, the draws from then on
-    (e.g. budgets past r once the r loops are learned, so that the answer is trained to hold past them)."""
+    (e.g. budgets past r once the r loops are learned, so that the answer is trained to hold past them); before step
+    `loops_sample_from`, never a draw."""
     R = loops_at(cfg, step, final)
-    if not cfg.samples_budgets or R < final:
+    if not cfg.samples_budgets or R < final or step < cfg.loops_sample_from:
         return np.full(rows, R, dtype=np.int64)
     lo, hi = budget_range(cfg, final)
     rng = np.random.default_rng([seed, step, 0x100B5])
