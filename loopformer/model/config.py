@@ -75,7 +75,7 @@ class ModelConfig:
     timestep_past: str = "continue"   # the loop index past the trained loops (t >= loops): "continue" the sinusoid
                                       # PE(t) | "clamp" to the last trained t = loops - 1 (a learned table always
                                       # clamps) | "hold": every loop past r reads one index of its own, t = loops
-                                      # (the hold index: trained by loop counts drawn past r, `train.loops_sample`;
+                                      # (the hold index: trained by loop counts drawn past r, `train.loops_hold`;
                                       # sinusoid only). Changes no weights: choose it at load / evaluation time
     input_injection: bool = False     # add the read-in embedding before every loop after the first
     # stabilisers of deep loops (loopformer.model.stability; docs/stability.md): all off by default
