@@ -193,6 +193,13 @@ class TrainConfig:
         `loops_hold`)."""
         return self.loops_sample != "fixed" or self.loops_hold > 0
 
+    def budget_range(self, final: int) -> tuple[int, int]:
+        """The loop budgets training draws from: (loops_min, loops_max or `final`, the model's loops); with
+        `loops_hold` f: (r, ⌈f·r⌉), r = `final`."""
+        if self.loops_hold:
+            return final, math.ceil(self.loops_hold * final)
+        return self.loops_min, self.loops_max or final
+
 
 @dataclass
 class LogConfig:
@@ -239,7 +246,7 @@ class RunConfig:
                                            "train.loss_loops to all or window")
             _need(m.supervision_steps == 1, "task.loop_targets needs model.supervision_steps = 1")
         if tr.samples_budgets:
-            hi = math.ceil(tr.loops_hold * m.loops) if tr.loops_hold else (tr.loops_max or m.loops)
+            hi = tr.budget_range(m.loops)[1]
             _need(tr.loops_min <= hi, f"train.loops_min={tr.loops_min} exceeds the largest budget {hi} "
                                       f"(train.loops_max, else model.loops)")
             _need(hi <= 1024, f"train.loops_max={hi} exceeds 1,024 loops")

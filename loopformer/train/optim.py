@@ -51,11 +51,8 @@ def loops_at(cfg: TrainConfig, step: int, final: int) -> int:
 
 
 def budget_range(cfg: TrainConfig, final: int) -> tuple[int, int]:
-    """The loop budgets training draws from (`train.loops_sample`): (loops_min, loops_max or the model's loops);
-    with `train.loops_hold` f: (r, ⌈f·r⌉), r = `final`."""
-    if cfg.loops_hold:
-        return final, math.ceil(cfg.loops_hold * final)
-    return cfg.loops_min, cfg.loops_max or final
+    """The loop budgets training draws from (`train.loops_sample`, `train.loops_hold`): `TrainConfig.budget_range`."""
+    return cfg.budget_range(final)
 
 
 def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int = 1) -> np.ndarray:
