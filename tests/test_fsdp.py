@@ -58,7 +58,7 @@ def torchrun(cwd: Path, n: int, *args: str, ok: bool = True) -> subprocess.Compl
     proc = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={n}", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
     if ok:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, proc.stderr[:2000] + "\n…\n" + proc.stderr[-2000:]
     return proc
 
 

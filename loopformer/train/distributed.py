@@ -8,6 +8,7 @@ every global batch (see `loopformer.sources`) and only rank 0 logs and writes fi
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,12 @@ def setup(device_choice: str = "auto", sharded: bool = False) -> Dist:
 
 
 def teardown() -> None:
+    """Leave the process group. Modules wrapped by DDP / FSDP keep references to the group's communicator and often
+    sit in reference cycles; collected at interpreter exit, gloo's worker threads can then abort the process
+    ('terminate called without an active exception'). So cycles are collected first, while the interpreter is whole,
+    then every process meets at a barrier and the group is destroyed."""
     if dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

@@ -223,6 +223,7 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None
     """
     d = setup(cfg.device, sharded=cfg.train.parallel == "fsdp")
     lock = run.RunLock(cfg.out_dir) if d.main else None
+    t: Trainer | None = None
     try:
         if lock is not None:
             lock.acquire()
@@ -254,6 +255,7 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None
     finally:
         if lock is not None:
             lock.release()
+        t = None        # the model (and, sharded, its hold on the process groups) goes before the groups do
         teardown()
 
 
