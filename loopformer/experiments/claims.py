@@ -217,15 +217,23 @@ def load_registry(path: str | None = None) -> Registry:
     return load_config(Registry, path or shipped_config("claims.yaml"))
 
 
+def family(known: list[str], name: str) -> list[str]:
+    """The claim ids `name` selects: itself if it is one, else the family of ids it starts with a dash
+    ("iso-depth" → iso-depth-lcs, iso-depth-pointer); none if neither."""
+    return [name] if name in known else [k for k in known if k.startswith(name + "-")]
+
+
 def select(registry: Registry, ids: list[str] | None = None, quick: bool = False) -> list[Claim]:
-    """The claims named by `ids` (all; under --quick those marked quick), in registry order; an unknown id is a
-    one-line error."""
-    known = {c.id: c for c in registry.claims}
+    """The claims named by `ids` (all; under --quick those marked quick), in registry order. A name is a claim id
+    or a family of them (`family`); one that is neither is a one-line error."""
+    known = [c.id for c in registry.claims]
     if ids:
-        bad = [i for i in ids if i not in known]
+        bad = [i for i in ids if not family(known, i)]
         if bad:
-            raise UserError(f"unknown claim(s) {', '.join(bad)}; choose from {', '.join(known)}")
-        return [c for c in registry.claims if c.id in ids]
+            raise UserError(f"unknown claim(s) {', '.join(bad)}; choose from {', '.join(known)} "
+                            "(or a family: the start of ids before a dash, e.g. iso-depth)")
+        chosen = {k for i in ids for k in family(known, i)}
+        return [c for c in registry.claims if c.id in chosen]
     return [c for c in registry.claims if c.quick or not quick]
 
 

@@ -122,7 +122,8 @@ def register(subparsers) -> None:
                               description="Runs what the registered claims need (finished runs are reused, "
                                           "interrupted ones resumed), then writes OUT/report.md with, per claim, the "
                                           "paper's numbers, ours (median [min-max] over seeds) and a verdict.")
-    p.add_argument("--claims", action="append", metavar="ID[,ID]", help="only these claims (default: all)")
+    p.add_argument("--claims", action="append", metavar="ID[,ID]",
+                   help="only these claims (default: all); a family by the start of its ids, e.g. iso-depth")
     p.add_argument("--quick", action="store_true", help="one seed, the claims marked quick (about 30 min on 2 cores)")
     p.add_argument("--seeds", type=int, help="model seeds per arm (default: each experiment's, 3)")
     p.add_argument("--max-seeds", type=int, default=DEFAULT_MAX_SEEDS,
