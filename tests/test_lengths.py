@@ -338,3 +338,62 @@ def test_at_length_refuses_tasks_without_a_length():
     other, cfg = parity.at_length(20, 10)
     assert (other.test["size"] == 20).all() and cfg.options == {"length": 20, "min_length": 0}
     assert cfg.n_val == 0 and cfg.length_start == 0 and len(other.test["inputs"]) == 10
+
+
+# ------------------------------------------------------------------------------------------------- full output
+COPY = [o if not o.startswith("task.name") else "task.name=copy" for o in LG] + ["task.full_output=true"]
+
+
+def test_full_output_hides_every_answer_token_and_keeps_the_causal_mask(tmp_path):
+    """Fan et al.'s full-output prediction: the answer's tokens are blanks in the inputs of training, test and
+    evaluation-at-length rows; targets, and the mask, are the task's own."""
+    cfg = load_run_config(None, [*COPY, f"out_dir={tmp_path / 'r'}"])
+    assert cfg.model.causal is True and cfg.task.full_output
+    data = make_data(cfg.task)
+    plain = get_task("copy", length=6, min_length=1).generate(32, 0, "test")
+    x, st = data.test["inputs"], data.test["answer_start"]
+    pos = np.arange(x.shape[1])[None, :]
+    assert np.array_equal(np.where(pos >= st[:, None], 0, plain["inputs"]), x)      # blanks from the answer on
+    assert np.array_equal(data.test["targets"], plain["targets"])
+    assert (x[pos >= st[:, None]] == 0).all() and (plain["inputs"][pos == st[:, None]] >= 4).all()
+    keys = data.plan(2, 8)
+    b = data.fetch(keys, 2)
+    for i, k in enumerate(keys):
+        s0 = data.train["answer_start"][k]
+        assert (b["inputs"][i, s0:].numpy() == 0).all()
+        assert np.array_equal(b["inputs"][i, :s0].numpy(), data.train["inputs"][k, :s0])
+        assert np.array_equal(b["targets"][i].numpy(), data.train["targets"][k])
+    longer, _ = data.at_length(9, 10)
+    s9 = longer.test["answer_start"]
+    assert (longer.test["inputs"][np.arange(longer.test["inputs"].shape[1])[None, :] >= s9[:, None]] == 0).all()
+
+
+def test_full_output_trains_and_evaluates_at_other_lengths_on_blank_answers(tmp_path, capsys):
+    """A trained run's metric at another length equals the model's greedy answer read from rows whose answers are
+    blanks, computed by hand."""
+    assert _train(tmp_path, *COPY[len(LG):], "task.name=copy", "train.steps=4") == 0
+    run = tmp_path / "r"
+    out_json = tmp_path / "l.json"
+    assert main(["eval", str(run), "--lengths", "8", "--json", str(out_json), "--quiet", "-n", "16",
+                 "--no-loopwise"]) == 0
+    got = json.loads(out_json.read_text())["lengths"]["lengths"][0]
+    model = load(resolve_checkpoint(str(run)), device=torch.device("cpu")).eval()
+    task = get_task("copy", length=8)
+    b = task.generate(16, 0, "test")
+    x = np.where(np.arange(b["inputs"].shape[1])[None, :] >= b["answer_start"][:, None], 0, b["inputs"])
+    with torch.no_grad():
+        pred = model(torch.as_tensor(x, dtype=torch.long), loops=8).logits.argmax(-1).numpy()
+    assert got["metric"] == pytest.approx(task.metrics(pred, b)["accuracy"])
+    with torch.no_grad():                                  # the blanks matter: the visible answer reads differently
+        seen = model(torch.as_tensor(b["inputs"], dtype=torch.long), loops=8).logits
+    assert not torch.allclose(seen, model(torch.as_tensor(x, dtype=torch.long), loops=8).logits)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["task.answer_only=true"], "exclude each other"),
+    (["task.name=word_problem"], "not causal"),                # prefix products, read bidirectionally
+])
+def test_full_output_bad_combinations(tmp_path, capsys, extra, needle):
+    assert _train(tmp_path, "task.name=copy", "task.full_output=true", *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]

@@ -61,6 +61,10 @@ class TaskConfig:
     seed: int = 0                     # data seed (independent of the model seed)
     answer_only: bool = False         # causal pair tasks read by a bidirectional model: hide the answer tokens
                                       # from the input and supervise only the answer position
+    full_output: bool = False         # causal tasks: hide the answer tokens from the input (blanks) and keep the
+                                      # causal mask, so every answer token is produced at once after the loops
+                                      # (Fan et al.'s full-output prediction; answer_only without its bidirectional
+                                      # reading)
     augment: bool = False             # training rows under the task's random symmetries (tasks that define them,
                                       # e.g. Sudoku), drawn from (seed, step, row): resuming stays exact
     position_factors: bool = False    # tasks on a grid (Sudoku): the model also learns an embedding of each

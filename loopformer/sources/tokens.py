@@ -25,12 +25,16 @@ from loopformer.sources.base import DataSource, TaskConfig, check_dir, eval_rows
 from loopformer.tasks import IGNORE, TASKS, TokenTask, get_task, task_options
 from loopformer.tasks.common import exact_match, loop_steps
 
+NO_SPAN = ("task.answer_only and task.full_output need a task with an answer span (edit_distance, lcs, countdown, "
+           "parity, copy, addition, binary_sum)")
+
 
 def hide_answers(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, np.ndarray]:
-    """Bidirectional reading of a causal task: the answer tokens (from `answer_start`) are replaced by padding in
-    the inputs, so the model must produce them all at once from the prompt; targets are unchanged."""
+    """`task.answer_only` / `task.full_output`: the answer tokens (from `answer_start`) are replaced by padding in
+    the inputs, so the model must produce them all at once from the prompt; targets are unchanged (position i
+    still predicts the token after it: the blank before an answer token is where that token is read)."""
     if "answer_start" not in batch:
-        raise UserError("task.answer_only needs a task with an answer span (edit_distance, lcs, countdown)")
+        raise UserError(NO_SPAN)
     out = dict(batch)
     inputs = np.array(batch["inputs"], copy=True)
     pos = np.arange(inputs.shape[1])[None, :]
@@ -64,6 +68,9 @@ class TokenData(DataSource):
         task = cls.task_from(cfg)
         fields = {"vocab_size": task.vocab_size, "input_dim": 0, "max_len": task.seq_len,
                   "causal": bool(task.causal) and not cfg.answer_only, "head": "lm"}
+        if cfg.full_output and not task.causal:
+            raise UserError(f"task.full_output keeps a causal task's mask; the {task.name} task is not causal "
+                            "(its inputs hold no answer to hide)")
         if cfg.position_factors:
             factors = task.position_factors()
             if factors is None:
@@ -89,7 +96,7 @@ class TokenData(DataSource):
                                              if self.cfg.data_dir else ""))
         other = copy.copy(self)
         other.test = self.val
-        if self.cfg.answer_only:
+        if self.cfg.answer_only or self.cfg.full_output:
             other.test = hide_answers(self.val, self.task.pad_id)
         return other
 
@@ -130,9 +137,12 @@ class TokenData(DataSource):
             self.train = self.task.generate(cfg.n_train, cfg.seed, "train")
             self.test = self.task.generate(cfg.n_test, cfg.seed, "test")
             self.val = self.task.generate(cfg.n_val, cfg.seed, "val") if cfg.n_val else None
-        if cfg.answer_only:   # the test split now; training rows batch by batch (they may be memory-mapped)
+        if cfg.answer_only and cfg.full_output:
+            raise UserError("task.answer_only (a bidirectional reading) and task.full_output (the causal mask kept) "
+                            "exclude each other: choose one")
+        if cfg.answer_only or cfg.full_output:   # the test split now; training rows batch by batch (memory-mapped)
             if "answer_start" not in self.train:
-                raise UserError("task.answer_only needs a task with an answer span (edit_distance, lcs, countdown)")
+                raise UserError(NO_SPAN)
             self.test = hide_answers(self.test, self.task.pad_id)
         if cfg.loop_targets and "step_targets" not in self.train:
             raise UserError(f"task.loop_targets: the {self.task.name} task has no intermediate states "
@@ -177,7 +187,7 @@ class TokenData(DataSource):
         idx = np.asarray(keys, dtype=np.int64)
         rows = {"inputs": np.asarray(self.train["inputs"][idx], dtype=np.int64),           # [b,T]
                 "targets": np.asarray(self.train["targets"][idx], dtype=np.int64)}
-        if self.cfg.answer_only:
+        if self.cfg.answer_only or self.cfg.full_output:
             rows["answer_start"] = np.asarray(self.train["answer_start"][idx])
             rows = hide_answers(rows, self.task.pad_id)
         if self.cfg.augment:
@@ -252,7 +262,8 @@ class TokenData(DataSource):
     def describe(self) -> dict[str, Any]:
         return {"name": self.task.name, "options": plain(self.task.options()), "data_dir": self.cfg.data_dir,
                 "n_train": self.n_train, "n_test": len(self.test["inputs"]), "seed": self.cfg.seed,
-                "answer_only": self.cfg.answer_only, "augment": self.cfg.augment, "loop_targets": self.cfg.loop_targets,
+                "answer_only": self.cfg.answer_only, "full_output": self.cfg.full_output, "augment": self.cfg.augment,
+                "loop_targets": self.cfg.loop_targets,
                 "metric": self.metric}
 
 
