@@ -421,11 +421,11 @@ def test_an_iso_depth_claim_is_judged_and_reported(tmp_path, monkeypatch):
 def test_a_family_of_claims_is_selected_by_the_start_of_its_ids():
     reg = load_registry()
     ids = [c.id for c in reg.claims]
-    assert [c.id for c in select(reg, ["iso-depth"])] == ["iso-depth-lcs", "iso-depth-pointer"]
+    assert [c.id for c in select(reg, ["iso-depth"])] == ["iso-depth-lcs", "iso-depth-ed"]
     assert [c.id for c in select(reg, ["continuity-timestep", "iso-depth"])] == \
-        [i for i in ids if i in ("continuity-timestep", "iso-depth-lcs", "iso-depth-pointer")]
+        [i for i in ids if i in ("continuity-timestep", "iso-depth-lcs", "iso-depth-ed")]
     assert [c.id for c in select(reg, ["timestep"])] == ["timestep-helps", "timestep-holds-deep"]
-    assert [c.id for c in select(reg, ["iso-depth-lcs", "iso-depth"])] == ["iso-depth-lcs", "iso-depth-pointer"]
+    assert [c.id for c in select(reg, ["iso-depth-lcs", "iso-depth"])] == ["iso-depth-lcs", "iso-depth-ed"]
     for bad in ("iso-dep", "deep", "iso-depth-"):      # a family ends at a dash boundary of the ids
         with pytest.raises(UserError, match="unknown claim"):
             select(reg, [bad])
@@ -436,7 +436,7 @@ def test_the_shipped_iso_depth_claims_plan_their_three_arms(tmp_path):
     runs = plan(claims, tmp_path)
     assert sorted({(r.group, r.arm) for r in runs}) == sorted(
         {("lcs-demo", a) for a in ("looped many", "unique 8", "one layer")}
-        | {("pointer-iso", a) for a in ("looped r=8", "unique 8", "one layer")})
+        | {("ed-iso", a) for a in ("looped r=8", "unique 8", "one layer")})
     assert len(runs) == 18
 
 

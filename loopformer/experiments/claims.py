@@ -219,7 +219,7 @@ def load_registry(path: str | None = None) -> Registry:
 
 def family(known: list[str], name: str) -> list[str]:
     """The claim ids `name` selects: itself if it is one, else the family of ids it starts with a dash
-    ("iso-depth" → iso-depth-lcs, iso-depth-pointer); none if neither."""
+    ("iso-depth" → iso-depth-lcs, iso-depth-ed); none if neither."""
     return [name] if name in known else [k for k in known if k.startswith(name + "-")]
 
 
