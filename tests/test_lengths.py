@@ -397,3 +397,14 @@ def test_full_output_bad_combinations(tmp_path, capsys, extra, needle):
     assert _train(tmp_path, "task.name=copy", "task.full_output=true", *extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+def test_a_windowed_rotary_block_trains_and_runs_at_any_length(tmp_path):
+    """attn_window with rotary positions: trained at sizes 1..6, evaluated at 20 (no learned positions to run out)."""
+    assert _train(tmp_path, "task.name=copy", "task.full_output=true", "model.pos=rope", "model.attn_window=2") == 0
+    out_json = tmp_path / "l.json"
+    assert main(["eval", str(tmp_path / "r"), "--lengths", "20", "--json", str(out_json), "--quiet", "-n", "8",
+                 "--no-loopwise"]) == 0
+    got = json.loads(out_json.read_text())["lengths"]["lengths"][0]
+    assert got["length"] == 20 and got["loops"] == 20 and 0.0 <= got["metric"] <= 1.0
+    assert load(resolve_checkpoint(str(tmp_path / "r"))).config.attn_window == 2

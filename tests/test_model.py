@@ -186,7 +186,8 @@ def test_activation_checkpointing_same_loss_and_gradients():
 @pytest.mark.parametrize("kw", [{"loops": 3}, {"loops": 3, "timestep": True, "input_injection": True},
                                 {"n_layers": 2, "loops": 1}, {"loops": 2, "n_layers": 2, "compat": "authors"},
                                 {"loops": 3, "timestep": True, "pos": "rope"},
-                                {"loops": 2, "n_layers": 2, "compat": "authors", "pos": "rope"}])
+                                {"loops": 2, "n_layers": 2, "compat": "authors", "pos": "rope"},
+                                {"loops": 3, "pos": "rope", "attn_window": 3}])
 def test_cached_generation_equals_full_recompute(kw):
     model = perturb(LoopedTransformer(tiny(**kw))).eval()
     x = ids(b=2, t=12)
@@ -301,3 +302,30 @@ def test_rope_depends_on_relative_positions_only():
     r = rotate(v, rope_tables(torch.tensor([[2]]), 8))
     torch.testing.assert_close(r[0, 0, 0, [0, 4]], torch.tensor([math.cos(2 * theta), math.sin(2 * theta)]))
     assert not model.config.indexed_positions and model(ids(t=60)).logits.shape[1] == 60   # past max_len = 32
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_attention_window_limits_what_each_position_reads(causal):
+    """With attn_window = w, a layer applied R times reads R·(w − 1) positions back (and, bidirectional, ahead):
+    changing the token just outside that field leaves a position's output as it was, the one just inside changes it;
+    a window covering the row is full attention."""
+    w, R, i = 3, 2, 8
+    model = perturb(LoopedTransformer(tiny(loops=R, pos="rope", attn_window=w, causal=causal))).eval()
+    x = ids(b=1, t=16)
+    with torch.no_grad():
+        base = model(x).logits[0, i]
+        for j, moves in [(i - R * (w - 1) - 1, False), (i - R * (w - 1), True),
+                         (i + R * (w - 1) + 1, False), (i + R * (w - 1), not causal)]:
+            y = x.clone()
+            y[0, j] = (y[0, j] + 1) % 17
+            assert (not torch.allclose(model(y).logits[0, i], base, atol=1e-6)) == moves, j
+        wide = LoopedTransformer(tiny(loops=R, pos="rope", attn_window=16, causal=causal)).eval()
+        wide.load_state_dict(model.state_dict())
+        full = LoopedTransformer(tiny(loops=R, pos="rope", causal=causal)).eval()
+        full.load_state_dict(model.state_dict())
+        torch.testing.assert_close(wide(x).logits, full(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_negative_attention_window_is_refused():
+    with pytest.raises(ValueError, match="attn_window"):
+        tiny(attn_window=-1)

@@ -58,6 +58,10 @@ class ModelConfig:
     dropout: float = 0.0
     causal: bool = True
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim); large values approach hardmax
+    attn_window: int = 0              # w > 0: a sliding attention window — a query at position i sees the keys at
+                                      # i-w+1..i (and, bidirectional, ..i+w-1), counted in slots; 0: every key. With
+                                      # rotary positions every relative offset a windowed block meets at any length is
+                                      # one it met in training (docs/length-generalisation.md)
     timestep: bool = False            # TMLT: α(t), γ(t) from the loop index (Eq. 12-15)
     timestep_freq_dim: int = 256      # width of the sinusoidal loop-index features PE(t)
     timestep_max_period: float = 10000.0
@@ -131,6 +135,8 @@ class ModelConfig:
         need(self.supervision_steps * self.loops <= LIMITS["loops"],
              f"supervision_steps × loops = {self.supervision_steps * self.loops} exceeds {LIMITS['loops']:,}")
         need(self.d_model > 0 and self.n_heads > 0, "d_model and n_heads must be positive")
+        need(0 <= self.attn_window <= LIMITS["max_len"],
+             f"attn_window must be 0 (every key) or 1..{LIMITS['max_len']:,} positions (got {self.attn_window})")
         if self.head_dim is None:
             need(self.d_model % self.n_heads == 0,
                  f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim")

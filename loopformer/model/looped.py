@@ -330,12 +330,15 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
 
     def _mask(self, attn_mask: torch.Tensor | None, T: int, past: int, device) -> torch.Tensor | None:
         """Boolean attention mask [B|1, 1, T, S] (True = may attend), or None for the fused causal/full path."""
-        if attn_mask is None and past == 0:
+        w = self.config.attn_window
+        if attn_mask is None and past == 0 and not w:
             return None
         S = past + T
         q = torch.arange(past, S, device=device)[:, None]
         k = torch.arange(S, device=device)[None, :]
         allowed = (k <= q) if self.config.causal else torch.ones(T, S, dtype=torch.bool, device=device)
+        if w:                                                                          # the sliding window
+            allowed = allowed & ((q - k) < w) & ((k - q) < w)
         allowed = allowed[None, None]                                                  # [1,1,T,S]
         if attn_mask is not None:
             if attn_mask.shape[-1] != S:
