@@ -341,7 +341,7 @@ def test_at_length_refuses_tasks_without_a_length():
 
 
 # ------------------------------------------------------------------------------------------------- full output
-COPY = [o if not o.startswith("task.name") else "task.name=copy" for o in LG] + ["task.full_output=true"]
+COPY = [*LG, "task.name=copy", "task.full_output=true"]      # later overrides win
 
 
 def test_full_output_hides_every_answer_token_and_keeps_the_causal_mask(tmp_path):
@@ -371,7 +371,7 @@ def test_full_output_hides_every_answer_token_and_keeps_the_causal_mask(tmp_path
 def test_full_output_trains_and_evaluates_at_other_lengths_on_blank_answers(tmp_path, capsys):
     """A trained run's metric at another length equals the model's greedy answer read from rows whose answers are
     blanks, computed by hand."""
-    assert _train(tmp_path, *COPY[len(LG):], "task.name=copy", "train.steps=4") == 0
+    assert _train(tmp_path, "task.name=copy", "task.full_output=true", "train.steps=4") == 0
     run = tmp_path / "r"
     out_json = tmp_path / "l.json"
     assert main(["eval", str(run), "--lengths", "8", "--json", str(out_json), "--quiet", "-n", "16",

@@ -92,6 +92,13 @@ class TaskConfig:
         _need(self.block_size >= 2, "task.block_size must be >= 2")
         _need(self.eval_windows >= 1, "task.eval_windows must be >= 1")
         _need(self.points >= 1, "task.points must be >= 1")
+        _need(not (self.answer_only and self.full_output), "task.answer_only (a bidirectional reading) and "
+              "task.full_output (the causal mask kept) exclude each other: choose one")
+
+    @property
+    def hides_answers(self) -> bool:
+        """Whether the answer's tokens are blanks in the inputs (`answer_only` or `full_output`)."""
+        return self.answer_only or self.full_output
 
 
 class DataSource:

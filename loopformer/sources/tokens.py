@@ -96,7 +96,7 @@ class TokenData(DataSource):
                                              if self.cfg.data_dir else ""))
         other = copy.copy(self)
         other.test = self.val
-        if self.cfg.answer_only or self.cfg.full_output:
+        if self.cfg.hides_answers:
             other.test = hide_answers(self.val, self.task.pad_id)
         return other
 
@@ -137,10 +137,7 @@ class TokenData(DataSource):
             self.train = self.task.generate(cfg.n_train, cfg.seed, "train")
             self.test = self.task.generate(cfg.n_test, cfg.seed, "test")
             self.val = self.task.generate(cfg.n_val, cfg.seed, "val") if cfg.n_val else None
-        if cfg.answer_only and cfg.full_output:
-            raise UserError("task.answer_only (a bidirectional reading) and task.full_output (the causal mask kept) "
-                            "exclude each other: choose one")
-        if cfg.answer_only or cfg.full_output:   # the test split now; training rows batch by batch (memory-mapped)
+        if cfg.hides_answers:   # the test split now; training rows batch by batch (memory-mapped)
             if "answer_start" not in self.train:
                 raise UserError(NO_SPAN)
             self.test = hide_answers(self.test, self.task.pad_id)
@@ -187,7 +184,7 @@ class TokenData(DataSource):
         idx = np.asarray(keys, dtype=np.int64)
         rows = {"inputs": np.asarray(self.train["inputs"][idx], dtype=np.int64),           # [b,T]
                 "targets": np.asarray(self.train["targets"][idx], dtype=np.int64)}
-        if self.cfg.answer_only or self.cfg.full_output:
+        if self.cfg.hides_answers:
             rows["answer_start"] = np.asarray(self.train["answer_start"][idx])
             rows = hide_answers(rows, self.task.pad_id)
         if self.cfg.augment:

@@ -47,7 +47,6 @@ from loopformer.tasks.base import IGNORE
 from loopformer.tasks.common import loop_steps
 from loopformer.train.compiling import eager
 from loopformer.train.config import TrainConfig
-from loopformer.train.optim import budget_range
 
 
 # ------------------------------------------------------------------------------------------------- positions
@@ -266,7 +265,7 @@ def elastic_losses(model: torch.nn.Module, tc: TrainConfig, final: int, mb: dict
     total = 0.0
     x, at, rows = mb["inputs"], mb.get("read_at"), mb.get("row_loops")
     if tc.consistency > 0:
-        hi = budget_range(tc, final)[1] if tc.samples_budgets else 2 * R
+        hi = tc.budget_range(final)[1] if tc.samples_budgets else 2 * R
         double = tc.consistency_budget == "double"
         R2 = (min(2 * R, hi) if double else hi) if rows is None else \
             int(torch.clamp(2 * rows, max=hi).max()) if double else hi

@@ -50,11 +50,6 @@ def loops_at(cfg: TrainConfig, step: int, final: int) -> int:
     return min(final, cfg.loops_start + (step // cfg.loops_every) * cfg.loops_increment)
 
 
-def budget_range(cfg: TrainConfig, final: int) -> tuple[int, int]:
-    """The loop budgets training draws from (`train.loops_sample`, `train.loops_hold`): `TrainConfig.budget_range`."""
-    return cfg.budget_range(final)
-
-
 def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int = 1) -> np.ndarray:
     """Loop budgets of step `step` (`train.loops_sample`): [rows] ints in loops_min..loops_max, drawn "uniform" or
     "loguniform" (⌊exp(U(log lo, log(hi + 1)))⌋: each octave equally often) by a generator seeded with
@@ -65,7 +60,7 @@ def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int =
     R = loops_at(cfg, step, final)
     if not cfg.samples_budgets or R < final or step < cfg.loops_sample_from:
         return np.full(rows, R, dtype=np.int64)
-    lo, hi = budget_range(cfg, final)
+    lo, hi = cfg.budget_range(final)
     rng = np.random.default_rng([seed, step, 0x100B5])
     if cfg.loops_sample == "uniform" or cfg.loops_hold:
         return rng.integers(lo, hi + 1, size=rows)

@@ -68,7 +68,7 @@ from loopformer.train.losses import (
     supervised,
     supervised_count,
 )
-from loopformer.train.optim import budget_range, lr_at, make_optimizer, sample_loops, steps_for
+from loopformer.train.optim import lr_at, make_optimizer, sample_loops, steps_for
 from loopformer.train.run import MetricsLog
 from loopformer.train.selection import BestKeeper
 from loopformer.train.sharding import (
@@ -296,7 +296,7 @@ class Trainer:
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
             half = self.autocast is not contextlib.nullcontext
-            hi = max(cfg.model.loops, budget_range(tc, cfg.model.loops)[1] if tc.samples_budgets else 0) \
+            hi = max(cfg.model.loops, tc.budget_range(cfg.model.loops)[1] if tc.samples_budgets else 0) \
                 + tc.loop_jitter
             check_fits(estimate(cfg.model.replace(loops=hi), batch=self.B // (d.world * tc.grad_accum), training=True,
                                 read_outs=loss_loops(tc, hi) or 1, ema=tc.ema_decay > 0,
@@ -803,7 +803,7 @@ class Trainer:
                    if cfg.model.loop_rule != "fixed" else {}),
                 **({"skipped_steps": self.spikes.skipped} if self.spikes is not None else {}),
                 **({"loops_sample": {"kind": "hold" if tc.loops_hold else tc.loops_sample, "per": tc.loops_sample_per,
-                                     "range": list(budget_range(tc, cfg.model.loops))}}
+                                     "range": list(tc.budget_range(cfg.model.loops))}}
                    if tc.samples_budgets else {}),
                 **({"references": refs} if (refs := self.data.references()) else {}),
             })
