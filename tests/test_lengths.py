@@ -253,6 +253,43 @@ def test_confident_stop_reads_each_row_at_its_most_confident_loop(tiny_runs):
     assert res["confident"] == pytest.approx(metrics["accuracy"]) and res["confident_loops"] == mean_loop
 
 
+def test_loop_vote_reads_each_row_with_the_answer_most_of_its_window_gives(tiny_runs):
+    """The vote against a hand computation: every row of size 10 run 20 loops, the greedy answer (the scored
+    positions' tokens) after each loop 10..20, the row read at the loop whose answer the most loops of the window
+    share (the latest of equals), scored by the task; the share is that count over the window's 11 loops."""
+    from loopformer.eval.lengths import length_curve, loop_vote
+    run = tiny_runs / "rule"
+    model = load(resolve_checkpoint(str(run)), device=torch.device("cpu")).eval()
+    cfg = load_run_config(str(run / "config.yaml"))
+    data = make_data(cfg.task)
+    d10, _ = data.at_length(10, 30)
+    metrics, share = loop_vote(model, d10, 10, 20, batch_size=7)
+    task = get_task("parity", length=10)
+    b = task.generate(30, cfg.task.seed, "test")
+    x = torch.as_tensor(b["inputs"], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(x, loops=20, return_all=True).all_logits.float()                     # [20,30,T,C]
+    scored = np.asarray(b["targets"]) != IGNORE
+    picks, shares = [], []
+    for i in range(30):
+        answers = [tuple(logits[t, i].argmax(-1).numpy()[scored[i]]) for t in range(9, 20)]
+        counts = [answers.count(a) for a in answers]
+        t = max(range(11), key=lambda k: (counts[k], k))                                    # the latest best
+        picks.append(logits[9 + t, i])
+        shares.append(counts[t] / 11)
+    pred = torch.stack(picks).argmax(-1).numpy()
+    assert metrics["accuracy"] == pytest.approx(task.metrics(pred, b)["accuracy"])
+    assert share == pytest.approx(np.mean(shares))
+    res = length_curve(model, data, [10], limit=30)["lengths"][0]
+    assert res["vote"] == pytest.approx(metrics["accuracy"]) and res["vote_share"] == pytest.approx(share)
+    # a model whose answer never changes: the vote is the answer at every loop, held by the whole window
+    m1, s1 = loop_vote(model, d10, 20, 20, batch_size=7)
+    at20 = logits[19].argmax(-1).numpy()
+    assert m1["accuracy"] == pytest.approx(task.metrics(at20, b)["accuracy"]) and s1 == 1.0
+    with pytest.raises(UserError, match="window"):
+        loop_vote(model, d10, 5, 4)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--lengths", "0"], "every length must be >= 1"),
     (["--lengths", "4,-2"], "every length must be >= 1"),

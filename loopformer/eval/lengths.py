@@ -9,7 +9,9 @@ variable-size tasks, `loopformer.tasks.algorithmic`, and the word problem, min_l
 at the best loop. The best loop reads the labels; a stop that does not: every row read after the loop, among
 1..2·T(n), whose greedy answer the model is most confident of (`confident_stop`: the largest log-probability of the
 answer, summed over the scored positions; Fan et al.'s stopping rule for looped models run past their training
-lengths, ICLR 2025). Rows longer than a model with learned positions has, or loop counts past the evaluation cap,
+lengths, ICLR 2025); and every row read with the answer that most of its loops T(n)..2·T(n) give (`loop_vote`: a
+model trained to hold its answer past T(n), `train.loop_jitter`, reaches the answer at twice the training length a
+few loops after T(n) and then keeps it, so the answer held longest is the one to read). Rows longer than a model with learned positions has, or loop counts past the evaluation cap,
 are one-line errors.
 
 Shapes: R loops.
@@ -71,15 +73,14 @@ def plan_lengths(data: DataSource, cfg, lengths: list[int], *, loops: int = 0, m
     return plan
 
 
-def confident_stop(raw: torch.nn.Module, data: DataSource, loops: int, *, batch_size: int = 256, limit: int = 0,
-                   device: torch.device | None = None, autocast: Callable[[], Any] | None = None
-                   ) -> tuple[dict[str, float], float]:
-    """The metrics when every test row is read after the loop t in 1..`loops` where the model is most confident of
-    its greedy answer, c_t = Σ_i max_v log p_t(v | position i) over the row's scored positions (`DataSource.counted`;
-    ties: the earliest t), and the mean t chosen. Every row runs every loop; no label is read to choose t."""
+def _read_stopped(raw: torch.nn.Module, data: DataSource, loops: int, choose, *, batch_size: int,
+                  limit: int, device: torch.device | None, autocast: Callable[[], Any] | None
+                  ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+    """Every test row run `loops` loops and scored at the loop `choose(logits [R,b,T,C], counted [b,T])` picks for
+    it (-> (loop index [b], a per-row value [b])); returns the metrics, the loops chosen (1-based) and the values."""
     device = device or next(raw.parameters()).device
     autocast = autocast or contextlib.nullcontext
-    parts, stops = [], []
+    parts, stops, values = [], [], []
     was_training = raw.training
     raw.eval()
     try:
@@ -88,14 +89,51 @@ def confident_stop(raw: torch.nn.Module, data: DataSource, loops: int, *, batch_
                 t = data.as_tensors(batch, device)
                 counted = data.counted(t)                                                   # [b,T]
                 logits = read_outs(raw, t["inputs"], loops, True, autocast).float()         # [R,b,T,C]
-                conf = (logits.log_softmax(-1).amax(-1) * counted).sum(-1)                  # [R,b]
-                stop = conf.argmax(0)                                                       # [b]: the first best
+                stop, value = choose(logits, counted)                                       # [b], [b]
                 chosen = logits[stop, torch.arange(len(stop), device=stop.device)]          # [b,T,C]
                 parts.append(data.score(chosen[None], batch))
                 stops.append(stop + 1)
+                values.append(value.float())
     finally:
         raw.train(was_training)
-    return data.summarize(parts, limit, raw.config.loops)[0], float(torch.cat(stops).float().mean())
+    return data.summarize(parts, limit, raw.config.loops)[0], torch.cat(stops).float(), torch.cat(values)
+
+
+def confident_stop(raw: torch.nn.Module, data: DataSource, loops: int, *, batch_size: int = 256, limit: int = 0,
+                   device: torch.device | None = None, autocast: Callable[[], Any] | None = None
+                   ) -> tuple[dict[str, float], float]:
+    """The metrics when every test row is read after the loop t in 1..`loops` where the model is most confident of
+    its greedy answer, c_t = Σ_i max_v log p_t(v | position i) over the row's scored positions (`DataSource.counted`;
+    ties: the earliest t), and the mean t chosen. Every row runs every loop; no label is read to choose t."""
+    def choose(logits, counted):
+        conf = (logits.log_softmax(-1).amax(-1) * counted).sum(-1)                          # [R,b]
+        return conf.argmax(0), conf.amax(0)                                                 # the first best
+    metrics, stops, _ = _read_stopped(raw, data, loops, choose, batch_size=batch_size, limit=limit, device=device,
+                                      autocast=autocast)
+    return metrics, float(stops.mean())
+
+
+def loop_vote(raw: torch.nn.Module, data: DataSource, first: int, last: int, *, batch_size: int = 256,
+              limit: int = 0, device: torch.device | None = None, autocast: Callable[[], Any] | None = None
+              ) -> tuple[dict[str, float], float]:
+    """The metrics when every test row is read with the answer most of its loops `first`..`last` give: a_t = the
+    greedy tokens at the row's scored positions after loop t; the row is read at the t in first..last whose answer
+    the most loops of that window share, |{s : a_s = a_t}| (ties: the latest such t); returns the metrics and the
+    mean share of the window's loops that give the chosen answer (1.0: the answer held over the whole window). No
+    label is read."""
+    if not 1 <= first <= last:
+        raise UserError(f"loop_vote: the window must be 1 <= first <= last (got {first}..{last})")
+
+    def choose(logits, counted):
+        pred = logits[first - 1:last].argmax(-1).masked_fill(~counted.bool(), -1)          # [W,b,T]
+        same = (pred[:, None] == pred[None]).all(-1)                                        # [W,W,b]: a_s = a_t
+        votes = same.sum(1)                                                                 # [W,b]
+        W = votes.shape[0]
+        latest = W - 1 - votes.flip(0).argmax(0)                                            # [b]: the latest best
+        return first - 1 + latest, votes.amax(0) / W
+    metrics, _, share = _read_stopped(raw, data, last, choose, batch_size=batch_size, limit=limit, device=device,
+                                      autocast=autocast)
+    return metrics, float(share.mean())
 
 
 def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, loops: int = 0, max_loops: int = 0,
@@ -109,7 +147,9 @@ def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, 
     the rows record none), "lengths": [{"length", "loops", "max_loops", "metric" (at T(n)), "at_2x" (at 2·T(n), None
     when the curve stops before), "best", "best_loop" (the best single loop, read from the labels), "confident" (the
     metric with every row stopped at its most confident loop up to the curve's end, `confident_stop`; None for data
-    without token read-outs), "confident_loops" (the mean loop it stops at), "loopwise" [metric after loop 1..R],
+    without token read-outs), "confident_loops" (the mean loop it stops at), "vote" (the metric with every row read
+    with the answer most of its loops T(n)..the curve's end give, `loop_vote`; None likewise), "vote_share" (the mean
+    share of those loops that give it), "loopwise" [metric after loop 1..R],
     "metrics" (every metric at T(n))}]}."""
     cfg = raw.config
     rule = LoopRule.parse(cfg.loop_rule)
@@ -122,13 +162,16 @@ def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, 
         curve = [float(p[data.metric]) for p in res["loopwise"]] or [float(res["metrics"][data.metric])]
         pick = max if data.higher_is_better else min
         best = pick(range(len(curve)), key=lambda t: curve[t])
-        conf, conf_loops = (None, None)
+        conf, conf_loops, vote, vote_share = (None, None, None, None)
         if cfg.head == "lm":                                        # token read-outs: a confidence to stop on
             m, conf_loops = confident_stop(raw, d_n, M, batch_size=batch_size, device=device, autocast=autocast)
             conf = float(m[data.metric])
+            m, vote_share = loop_vote(raw, d_n, R, M, batch_size=batch_size, device=device, autocast=autocast)
+            vote = float(m[data.metric])
         out.append({"length": n, "loops": R, "max_loops": M, "metric": curve[R - 1],
                     "at_2x": curve[2 * R - 1] if len(curve) >= 2 * R else None, "best": curve[best],
-                    "best_loop": best + 1, "confident": conf, "confident_loops": conf_loops, "loopwise": curve,
+                    "best_loop": best + 1, "confident": conf, "confident_loops": conf_loops, "vote": vote,
+                    "vote_share": vote_share, "loopwise": curve,
                     "metrics": res["metrics"]})
     return {"rule": str(rule), "formula": rule.describe(), "metric": data.metric,
             "higher_is_better": data.higher_is_better, "trained_size": data.largest_size(), "lengths": out}
@@ -136,18 +179,21 @@ def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, 
 
 def format_lengths(res: dict[str, Any]) -> str:
     """A markdown table: per length, the loops run, the metric at T(n), at 2·T(n), at the best loop (read from the
-    labels) and with every row stopped at its most confident loop (the mean loop it stops at)."""
+    labels), with every row stopped at its most confident loop (the mean loop it stops at) and read by the vote of its
+    loops T(n)..2·T(n) (the mean share of the loops that agree)."""
     m, trained = res["metric"], res.get("trained_size")
     pct = (lambda v: "—" if v is None else f"{100 * v:.1f}") if m == "accuracy" else \
         (lambda v: "—" if v is None else f"{v:.4g}")
     lines = [f"loops T(n) = {res['formula']}" + (f"; trained on sizes up to {trained}" if trained else ""), "",
-             f"| length n | loops T(n) | {m} at T(n) | at 2·T(n) | best (loop) | most confident loop (mean) |",
-             "|---:|---:|---:|---:|---|---|"]
+             f"| length n | loops T(n) | {m} at T(n) | at 2·T(n) | best (loop) | most confident loop (mean) "
+             "| vote of loops T(n)..2·T(n) (agreeing) |",
+             "|---:|---:|---:|---:|---|---|---|"]
     for p in res["lengths"]:
         mark = "" if trained is None or p["length"] <= trained else " ×" + f"{p['length'] / trained:g}"
         conf = "—" if p.get("confident") is None else f"{pct(p['confident'])} ({p['confident_loops']:.1f})"
+        vote = "—" if p.get("vote") is None else f"{pct(p['vote'])} ({100 * p['vote_share']:.0f} %)"
         lines.append(f"| {p['length']}{mark} | {p['loops']} | {pct(p['metric'])} | {pct(p['at_2x'])} | "
-                     f"{pct(p['best'])} ({p['best_loop']}) | {conf} |")
+                     f"{pct(p['best'])} ({p['best_loop']}) | {conf} | {vote} |")
     return "\n".join(lines)
 
 
@@ -180,4 +226,4 @@ def lengths_plot(res: dict[str, Any], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["parse_lengths", "plan_lengths", "confident_stop", "length_curve", "format_lengths", "lengths_plot"]
+__all__ = ["parse_lengths", "plan_lengths", "confident_stop", "loop_vote", "length_curve", "format_lengths", "lengths_plot"]

@@ -18,12 +18,15 @@ STUDY=${STUDY:-sweeps/lengths}
 . scripts/study_lib.sh
 TASKS=${TASKS:-"parity addition copy binary-sum"}
 
-# the arms: name and overrides of the config (a looped block run T(n) = n times)
+# the arms: name and overrides of the config (a looped block run T(n) = n times; parity's config adds a window of two
+# and the jitter below); the standard transformers read every position (no window) in one pass
+STD="model.loop_rule=fixed model.loops=1 model.attn_window=0 train.loop_jitter=0 eval.max_loops=1"
 ARMS=(
-  "looped-tn:"                                                         # T(n) = n loops per row
+  "looped:"                                                            # the config as shipped
+  "looped-tn:train.loop_jitter=0"                                      # T(n) = n loops per row
   "looped-jitter:train.loop_jitter=6"                                  # T(n) + U{0..6} loops in training
-  "standard-params:model.loop_rule=fixed model.loops=1"                # one layer, once: the same parameters
-  "standard-depth:model.loop_rule=fixed model.loops=1 model.n_layers=12"   # 12 layers: the depth at n = 12
+  "standard-params:$STD"                                               # one layer, once: the same parameters
+  "standard-depth:$STD model.n_layers=12"                              # 12 layers: the depth at n = 12
 )
 
 # arms SEEDS: every arm on every task as its own sweep over SEEDS

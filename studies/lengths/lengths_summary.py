@@ -2,7 +2,8 @@
 `bash studies/lengths/lengths_study.sh collect` copies: per task, every arm's exact match at each evaluated length
 (runs' results.json "lengths": T(n) loops for a looped block, one pass for a standard transformer), per seed, then
 per arm the median [min–max] over seeds at the training length n and at 2n and 4n, with the seeds at ≥ 95 %, and at
-2n with every row stopped at its most confident loop (runs evaluated since that stop exists; "—" before).
+2n with every row stopped at its most confident loop and read by the vote of its loops T(n)..2·T(n) (runs evaluated
+since each stop exists; "—" before).
 
     python studies/lengths/lengths_summary.py studies/lengths > studies/lengths/summary.md
 """
@@ -25,7 +26,8 @@ def runs(sweep: Path) -> list[dict]:
         out.append({"seed": r.get("seed"), "params": r.get("params"), "minutes": r.get("train_time_s", 0) / 60,
                     "trained": r["lengths"].get("trained_size"), "formula": r["lengths"].get("formula"),
                     "at": {p["length"]: (p["metric"], p["loops"]) for p in r["lengths"]["lengths"]},
-                    "confident": {p["length"]: p.get("confident") for p in r["lengths"]["lengths"]}})
+                    "confident": {p["length"]: p.get("confident") for p in r["lengths"]["lengths"]},
+                    "vote": {p["length"]: p.get("vote") for p in r["lengths"]["lengths"]}})
     return out
 
 
@@ -52,8 +54,9 @@ def summary(root: Path) -> str:
                 cells = [_pct(r["at"].get(n, (None, 0))[0]) for n in lengths]
                 lines.append(f"| {name} | {r['seed']} | {r['params']:,} | {r['formula']} | " + " | ".join(cells)
                              + f" | {r['minutes']:.1f} |")
-        lines += ["", "| arm | seeds | at n | at 2n | at 4n | ≥ 95 % at 2n | at 2n, most confident loop |",
-                  "|---|---:|---|---|---|---:|---|"]
+        lines += ["", "| arm | seeds | at n | at 2n | at 4n | ≥ 95 % at 2n | at 2n, most confident loop "
+                  "| at 2n, vote of loops T(n)..2·T(n) |",
+                  "|---|---:|---|---|---|---:|---|---|"]
         for name, rs in found.items():
             if not rs:
                 continue
@@ -63,9 +66,12 @@ def summary(root: Path) -> str:
                 vals = [r["at"][m][0] for r in rs if m in r["at"]]
                 cols.append(f"{_pct(median(vals))} [{_pct(min(vals))}–{_pct(max(vals))}]" if vals else "—")
             good = sum(1 for r in rs if 2 * n in r["at"] and r["at"][2 * n][0] >= 0.95)
-            conf = [r["confident"].get(2 * n) for r in rs if r["confident"].get(2 * n) is not None]
-            conf_text = f"{_pct(median(conf))} [{_pct(min(conf))}–{_pct(max(conf))}]" if conf else "—"
-            lines.append(f"| {name} | {len(rs)} | " + " | ".join(cols) + f" | {good}/{len(rs)} | {conf_text} |")
+            stops = []
+            for key in ("confident", "vote"):
+                vals = [r[key].get(2 * n) for r in rs if r[key].get(2 * n) is not None]
+                stops.append(f"{_pct(median(vals))} [{_pct(min(vals))}–{_pct(max(vals))}]" if vals else "—")
+            lines.append(f"| {name} | {len(rs)} | " + " | ".join(cols) + f" | {good}/{len(rs)} | " + " | ".join(stops)
+                         + " |")
         lines.append("")
     return "\n".join(lines)
 
