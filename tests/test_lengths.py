@@ -363,6 +363,12 @@ def test_sweep_report_tabulates_lengths():
     assert "| n = 12 | n = 24 |" in text
     assert "| 3 | 100.0 [90.0–100.0] | 60.0 [50.0–70.0] |" in text          # median [min–max] over seeds
     assert "| 1 | 90.0 (12) | 70.0 (24) |" in text                           # each run: metric (loops)
+    assert "vote" not in text                                                 # runs without the vote: no table
+    voted = [run(s, (1.0, 0.5)) for s in range(2)]
+    for r, v in zip(voted, (0.96, 0.98)):
+        r["lengths"]["lengths"][1]["vote"] = v
+    text = lengths_table(voted)
+    assert "read by the vote" in text and "| 2 |  | 97.0 [96.0–98.0] |" in text
     assert lengths_table([{"_dir": "/x/runs/a"}]) is None
 
 

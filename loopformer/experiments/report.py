@@ -261,7 +261,8 @@ def budgets_table(runs: list[dict]) -> str | None:
 def lengths_table(runs: list[dict]) -> str | None:
     """Markdown: for the runs evaluated at other input lengths (results.json "lengths", `eval.lengths`), one row per
     (task, configuration) and one column per length n: the metric with the model's loops T(n), median [min–max]
-    over its seeds; then each run with its loops per length. None when no run has lengths."""
+    over its seeds; the same read by the vote of each row's loops T(n)..2·T(n) (where the runs have it); then each
+    run with its loops per length. None when no run has lengths."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in runs:
         if r.get("lengths"):
@@ -280,6 +281,18 @@ def lengths_table(runs: list[dict]) -> str | None:
             cells.append(_median_range(vals, metric) if len(vals) > 1 else (_fmt(vals[0], metric) if vals else ""))
         lines.append(f"| {label} | {key} | {info['formula']} | {info.get('trained_size') or ''} | {len(rs)} | "
                      + " | ".join(cells) + " |")
+    voted = {g: rs for g, rs in groups.items()
+             if any(p.get("vote") is not None for r in rs for p in r["lengths"]["lengths"])}
+    if voted:
+        lines += ["", "Every row read by the vote of its loops T(n)..2·T(n) (the answer most of them give; no label "
+                  "read):", "", f"| task | configuration | seeds | {head} |", "|---|---|---:|" + "---|" * len(lengths)]
+        for (label, key), rs in sorted(voted.items()):
+            metric, cells = rs[0]["metric"], []
+            for n in lengths:
+                vals = [float(p["vote"]) for r in rs for p in r["lengths"]["lengths"]
+                        if p["length"] == n and p.get("vote") is not None]
+                cells.append(_median_range(vals, metric) if len(vals) > 1 else (_fmt(vals[0], metric) if vals else ""))
+            lines.append(f"| {label} | {key} | {len(rs)} | " + " | ".join(cells) + " |")
     lines += ["", "Each run (the metric, and the loops it ran, at each length):", "",
               f"| task | configuration | seed | {head} |", "|---|---|---:|" + "---|" * len(lengths)]
     for (label, key), rs in sorted(groups.items()):
