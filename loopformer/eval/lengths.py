@@ -73,14 +73,15 @@ def plan_lengths(data: DataSource, cfg, lengths: list[int], *, loops: int = 0, m
     return plan
 
 
-def _read_stopped(raw: torch.nn.Module, data: DataSource, loops: int, choose, *, batch_size: int,
-                  limit: int, device: torch.device | None, autocast: Callable[[], Any] | None
-                  ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
-    """Every test row run `loops` loops and scored at the loop `choose(logits [R,b,T,C], counted [b,T])` picks for
-    it (-> (loop index [b], a per-row value [b])); returns the metrics, the loops chosen (1-based) and the values."""
+def _read_stopped(raw: torch.nn.Module, data: DataSource, loops: int, choosers: dict[str, Callable], *,
+                  batch_size: int, limit: int, device: torch.device | None, autocast: Callable[[], Any] | None
+                  ) -> dict[str, tuple[dict[str, float], torch.Tensor, torch.Tensor]]:
+    """Every test row run `loops` loops once and scored, for each named chooser, at the loop
+    `choose(logits [R,b,T,C], counted [b,T])` picks for it (-> (loop index [b], a per-row value [b])); returns per
+    chooser the metrics, the loops chosen (1-based) and the values."""
     device = device or next(raw.parameters()).device
     autocast = autocast or contextlib.nullcontext
-    parts, stops, values = [], [], []
+    parts = {k: ([], [], []) for k in choosers}
     was_training = raw.training
     raw.eval()
     try:
@@ -89,14 +90,38 @@ def _read_stopped(raw: torch.nn.Module, data: DataSource, loops: int, choose, *,
                 t = data.as_tensors(batch, device)
                 counted = data.counted(t)                                                   # [b,T]
                 logits = read_outs(raw, t["inputs"], loops, True, autocast).float()         # [R,b,T,C]
-                stop, value = choose(logits, counted)                                       # [b], [b]
-                chosen = logits[stop, torch.arange(len(stop), device=stop.device)]          # [b,T,C]
-                parts.append(data.score(chosen[None], batch))
-                stops.append(stop + 1)
-                values.append(value.float())
+                for k, choose in choosers.items():
+                    stop, value = choose(logits, counted)                                   # [b], [b]
+                    chosen = logits[stop, torch.arange(len(stop), device=stop.device)]      # [b,T,C]
+                    parts[k][0].append(data.score(chosen[None], batch))
+                    parts[k][1].append(stop + 1)
+                    parts[k][2].append(value.float())
     finally:
         raw.train(was_training)
-    return data.summarize(parts, limit, raw.config.loops)[0], torch.cat(stops).float(), torch.cat(values)
+    return {k: (data.summarize(p, limit, raw.config.loops)[0], torch.cat(st).float(), torch.cat(v))
+            for k, (p, st, v) in parts.items()}
+
+
+def _most_confident(logits: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loop of largest c_t = Σ_i max_v log p_t(v | position i) over the scored positions (the first of equals)."""
+    conf = (logits.log_softmax(-1).amax(-1) * counted).sum(-1)                              # [R,b]
+    return conf.argmax(0), conf.amax(0)
+
+
+def _voter(first: int, last: int) -> Callable:
+    """The loop in first..last whose answer (greedy tokens at the scored positions) the most loops of that window
+    give (the latest of equals), and the share of the window that gives it."""
+    if not 1 <= first <= last:
+        raise UserError(f"loop_vote: the window must be 1 <= first <= last (got {first}..{last})")
+
+    def choose(logits, counted):
+        pred = logits[first - 1:last].argmax(-1).masked_fill(~counted.bool(), -1)          # [W,b,T]
+        same = (pred[:, None] == pred[None]).all(-1)                                        # [W,W,b]: a_s = a_t
+        votes = same.sum(1)                                                                 # [W,b]
+        W = votes.shape[0]
+        latest = W - 1 - votes.flip(0).argmax(0)                                            # [b]: the latest best
+        return first - 1 + latest, votes.amax(0) / W
+    return choose
 
 
 def confident_stop(raw: torch.nn.Module, data: DataSource, loops: int, *, batch_size: int = 256, limit: int = 0,
@@ -105,11 +130,8 @@ def confident_stop(raw: torch.nn.Module, data: DataSource, loops: int, *, batch_
     """The metrics when every test row is read after the loop t in 1..`loops` where the model is most confident of
     its greedy answer, c_t = Σ_i max_v log p_t(v | position i) over the row's scored positions (`DataSource.counted`;
     ties: the earliest t), and the mean t chosen. Every row runs every loop; no label is read to choose t."""
-    def choose(logits, counted):
-        conf = (logits.log_softmax(-1).amax(-1) * counted).sum(-1)                          # [R,b]
-        return conf.argmax(0), conf.amax(0)                                                 # the first best
-    metrics, stops, _ = _read_stopped(raw, data, loops, choose, batch_size=batch_size, limit=limit, device=device,
-                                      autocast=autocast)
+    metrics, stops, _ = _read_stopped(raw, data, loops, {"c": _most_confident}, batch_size=batch_size, limit=limit,
+                                      device=device, autocast=autocast)["c"]
     return metrics, float(stops.mean())
 
 
@@ -121,18 +143,8 @@ def loop_vote(raw: torch.nn.Module, data: DataSource, first: int, last: int, *, 
     the most loops of that window share, |{s : a_s = a_t}| (ties: the latest such t); returns the metrics and the
     mean share of the window's loops that give the chosen answer (1.0: the answer held over the whole window). No
     label is read."""
-    if not 1 <= first <= last:
-        raise UserError(f"loop_vote: the window must be 1 <= first <= last (got {first}..{last})")
-
-    def choose(logits, counted):
-        pred = logits[first - 1:last].argmax(-1).masked_fill(~counted.bool(), -1)          # [W,b,T]
-        same = (pred[:, None] == pred[None]).all(-1)                                        # [W,W,b]: a_s = a_t
-        votes = same.sum(1)                                                                 # [W,b]
-        W = votes.shape[0]
-        latest = W - 1 - votes.flip(0).argmax(0)                                            # [b]: the latest best
-        return first - 1 + latest, votes.amax(0) / W
-    metrics, _, share = _read_stopped(raw, data, last, choose, batch_size=batch_size, limit=limit, device=device,
-                                      autocast=autocast)
+    metrics, _, share = _read_stopped(raw, data, last, {"v": _voter(first, last)}, batch_size=batch_size,
+                                      limit=limit, device=device, autocast=autocast)["v"]
     return metrics, float(share.mean())
 
 
@@ -163,11 +175,11 @@ def length_curve(raw: torch.nn.Module, data: DataSource, lengths: list[int], *, 
         pick = max if data.higher_is_better else min
         best = pick(range(len(curve)), key=lambda t: curve[t])
         conf, conf_loops, vote, vote_share = (None, None, None, None)
-        if cfg.head == "lm":                                        # token read-outs: a confidence to stop on
-            m, conf_loops = confident_stop(raw, d_n, M, batch_size=batch_size, device=device, autocast=autocast)
-            conf = float(m[data.metric])
-            m, vote_share = loop_vote(raw, d_n, R, M, batch_size=batch_size, device=device, autocast=autocast)
-            vote = float(m[data.metric])
+        if cfg.head == "lm":           # token read-outs: the most confident loop and the vote, from one pass
+            got = _read_stopped(raw, d_n, M, {"c": _most_confident, "v": _voter(R, M)}, batch_size=batch_size,
+                                limit=0, device=device, autocast=autocast)
+            conf, conf_loops = float(got["c"][0][data.metric]), float(got["c"][1].mean())
+            vote, vote_share = float(got["v"][0][data.metric]), float(got["v"][2].mean())
         out.append({"length": n, "loops": R, "max_loops": M, "metric": curve[R - 1],
                     "at_2x": curve[2 * R - 1] if len(curve) >= 2 * R else None, "best": curve[best],
                     "best_loop": best + 1, "confident": conf, "confident_loops": conf_loops, "vote": vote,
