@@ -116,9 +116,10 @@ def _voter(first: int, last: int) -> Callable:
 
     def choose(logits, counted):
         pred = logits[first - 1:last].argmax(-1).masked_fill(~counted.bool(), -1)          # [W,b,T]
-        same = (pred[:, None] == pred[None]).all(-1)                                        # [W,W,b]: a_s = a_t
-        votes = same.sum(1)                                                                 # [W,b]
-        W = votes.shape[0]
+        W = pred.shape[0]
+        votes = torch.zeros(pred.shape[:2], dtype=torch.long, device=pred.device)          # [W,b]
+        for s in range(W):          # one loop's answer against all: memory [W,b,T], not [W,W,b,T]
+            votes += (pred == pred[s]).all(-1)                                              # a_t = a_s
         latest = W - 1 - votes.flip(0).argmax(0)                                            # [b]: the latest best
         return first - 1 + latest, votes.amax(0) / W
     return choose

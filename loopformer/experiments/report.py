@@ -258,6 +258,17 @@ def budgets_table(runs: list[dict]) -> str | None:
     return "\n".join(lines) + "\n"
 
 
+def _length_cells(rs: list[dict], lengths: list[int], field: str) -> list[str]:
+    """One cell per length: the runs' `field` of their lengths entry ("metric", "vote"), median [min–max] over them
+    (the value alone for one run, empty for none)."""
+    metric, cells = rs[0]["metric"], []
+    for n in lengths:
+        vals = [float(p[field]) for r in rs for p in r["lengths"]["lengths"]
+                if p["length"] == n and p.get(field) is not None]
+        cells.append(_median_range(vals, metric) if len(vals) > 1 else (_fmt(vals[0], metric) if vals else ""))
+    return cells
+
+
 def lengths_table(runs: list[dict]) -> str | None:
     """Markdown: for the runs evaluated at other input lengths (results.json "lengths", `eval.lengths`), one row per
     (task, configuration) and one column per length n: the metric with the model's loops T(n), median [min–max]
@@ -274,25 +285,16 @@ def lengths_table(runs: list[dict]) -> str | None:
     lines = [f"| task | configuration | loops T(n) | trained up to | seeds | {head} |",
              "|---|---|---|---:|---:|" + "---|" * len(lengths)]
     for (label, key), rs in sorted(groups.items()):
-        metric, info = rs[0]["metric"], rs[0]["lengths"]
-        cells = []
-        for n in lengths:
-            vals = [float(p["metric"]) for r in rs for p in r["lengths"]["lengths"] if p["length"] == n]
-            cells.append(_median_range(vals, metric) if len(vals) > 1 else (_fmt(vals[0], metric) if vals else ""))
+        info = rs[0]["lengths"]
         lines.append(f"| {label} | {key} | {info['formula']} | {info.get('trained_size') or ''} | {len(rs)} | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(_length_cells(rs, lengths, "metric")) + " |")
     voted = {g: rs for g, rs in groups.items()
              if any(p.get("vote") is not None for r in rs for p in r["lengths"]["lengths"])}
     if voted:
         lines += ["", "Every row read by the vote of its loops T(n)..2·T(n) (the answer most of them give; no label "
                   "read):", "", f"| task | configuration | seeds | {head} |", "|---|---|---:|" + "---|" * len(lengths)]
         for (label, key), rs in sorted(voted.items()):
-            metric, cells = rs[0]["metric"], []
-            for n in lengths:
-                vals = [float(p["vote"]) for r in rs for p in r["lengths"]["lengths"]
-                        if p["length"] == n and p.get("vote") is not None]
-                cells.append(_median_range(vals, metric) if len(vals) > 1 else (_fmt(vals[0], metric) if vals else ""))
-            lines.append(f"| {label} | {key} | {len(rs)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label} | {key} | {len(rs)} | " + " | ".join(_length_cells(rs, lengths, "vote")) + " |")
     lines += ["", "Each run (the metric, and the loops it ran, at each length):", "",
               f"| task | configuration | seed | {head} |", "|---|---|---:|" + "---|" * len(lengths)]
     for (label, key), rs in sorted(groups.items()):

@@ -35,6 +35,10 @@ def _pct(v: float | None) -> str:
     return "—" if v is None else f"{100 * v:.1f}"
 
 
+def _median_range(vals: list[float]) -> str:
+    return f"{_pct(median(vals))} [{_pct(min(vals))}–{_pct(max(vals))}]" if vals else "—"
+
+
 def summary(root: Path) -> str:
     sweeps = sorted(d for d in root.iterdir() if d.is_dir() and (d / "runs").is_dir())
     by_task: dict[str, list[Path]] = {}
@@ -61,15 +65,10 @@ def summary(root: Path) -> str:
             if not rs:
                 continue
             n = rs[0]["trained"]
-            cols = []
-            for m in (n, 2 * n, 4 * n):
-                vals = [r["at"][m][0] for r in rs if m in r["at"]]
-                cols.append(f"{_pct(median(vals))} [{_pct(min(vals))}–{_pct(max(vals))}]" if vals else "—")
+            cols = [_median_range([r["at"][m][0] for r in rs if m in r["at"]]) for m in (n, 2 * n, 4 * n)]
             good = sum(1 for r in rs if 2 * n in r["at"] and r["at"][2 * n][0] >= 0.95)
-            stops = []
-            for key in ("confident", "vote"):
-                vals = [r[key].get(2 * n) for r in rs if r[key].get(2 * n) is not None]
-                stops.append(f"{_pct(median(vals))} [{_pct(min(vals))}–{_pct(max(vals))}]" if vals else "—")
+            stops = [_median_range([r[key][2 * n] for r in rs if r[key].get(2 * n) is not None])
+                     for key in ("confident", "vote")]
             lines.append(f"| {name} | {len(rs)} | " + " | ".join(cols) + f" | {good}/{len(rs)} | " + " | ".join(stops)
                          + " |")
         lines.append("")
