@@ -75,6 +75,7 @@ SCREENS=(
   "noise-long-hold-late:model.state_noise=0.05 train.steps=6000 train.ema_decay=0.995 train.loops_hold=2 train.loops_sample_from=4000 model.timestep_past=hold"
   "hold-4:train.loops_hold=4"
   "prefix-slow-hold:train.loops_start=4 train.loops_every=200 train.loops_increment=2 train.curriculum_targets=prefix train.loops_hold=2 train.steps=4000 model.timestep_past=clamp"
+  "prefix-noise-hold:train.loops_start=4 train.loops_every=200 train.loops_increment=2 train.curriculum_targets=prefix model.state_noise=0.05 train.skip_spikes=20 train.ema_decay=0.995 train.loops_hold=2 train.steps=4000 model.timestep_past=clamp"
   "fixed-point-mode:model.solver=anderson model.solver_backward=phantom:4 task.loop_targets=false train.loss_loops=last train.loops_start=0"
   "noise-long-lr1e-3:model.state_noise=0.05 train.steps=4000 train.lr=1e-3 train.ema_decay=0.995"
 )
