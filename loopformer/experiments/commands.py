@@ -19,6 +19,7 @@ from loopformer.errors import UserError
 from loopformer.experiments.demo import run_demo
 from loopformer.experiments.report import write_report
 from loopformer.experiments.reproduce import DEFAULT_MAX_SEEDS, reproduce
+from loopformer.experiments.stale import POLICIES
 from loopformer.experiments.sweep import parse_grid, run_sweep
 
 
@@ -37,7 +38,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if not grid and not baseline:
         raise UserError("give --grid key=v1,v2 ... (and/or --baseline key=value ...)")
     run_sweep(config, grid, baseline, args.out, overrides, jobs=args.jobs, threads=args.threads,
-              progress=not args.quiet)
+              progress=not args.quiet, stale=args.stale)
     rep = write_report(args.out)
     print(rep["markdown"])
     print("wrote " + ", ".join(str(p) for p in rep["files"].values()))
@@ -57,7 +58,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     check_runs_folder(args.out)
-    run_demo(args.out, quick=args.quick, jobs=args.jobs, threads=args.threads)
+    run_demo(args.out, quick=args.quick, jobs=args.jobs, threads=args.threads, stale=args.stale)
     return 0
 
 
@@ -74,12 +75,19 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         ([f"--scale {args.scale}"] if args.scale != "cpu" else []) + [f"--out {args.out}"]
     res = reproduce(ids, quick=args.quick, seeds=args.seeds, jobs=args.jobs, threads=args.threads, out=args.out,
                     scale=args.scale, registry=args.registry, progress=not args.quiet, dry_run=args.dry_run,
-                    readme=args.readme, command=" ".join(parts), export_to=args.export, max_seeds=args.max_seeds)
+                    readme=args.readme, command=" ".join(parts), export_to=args.export, max_seeds=args.max_seeds,
+                    stale=args.stale)
     if res["ran"]:
         for j in res["judged"]:
             print(f"{j['claim'].id:<22} {j['verdict'].verdict:<15} {j['verdict'].reason}")
         print("wrote " + ", ".join(str(p) for p in res["files"].values()))
     return 0
+
+
+def add_stale(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stale", choices=POLICIES, default="stop",
+                   help="run folders trained with other settings than asked for now: stop (default: one error line), "
+                        "retrain (move them to OUT/.stale/ and train again) or keep (use them as they are)")
 
 
 def register(subparsers) -> None:
@@ -93,6 +101,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per run (0: torch's default)")
+    add_stale(p)
     add_device(p, default=None)
     add_quiet(p)
     p.set_defaults(func=cmd_sweep)
@@ -116,6 +125,7 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="a one-minute smoke version (too short to learn)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel processes (default 2)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per run (default 1)")
+    add_stale(p)
     p.set_defaults(func=cmd_demo)
 
     p = subparsers.add_parser("reproduce", help="every registered claim of the paper, with a verdict per claim",
@@ -142,6 +152,7 @@ def register(subparsers) -> None:
     p.add_argument("--export", metavar="DIR", help="also copy the report, plots and every run's results.json (no "
                                                    "checkpoints) to DIR, e.g. studies/reproduce/full")
     p.add_argument("--readme", metavar="FILE", help="also fill FILE's reproduce block with the summary table")
+    add_stale(p)
     add_quiet(p)
     p.set_defaults(func=cmd_reproduce)
 

@@ -44,8 +44,9 @@ def demo_yaml() -> str:
 
 
 def run_demo(out: str | os.PathLike = "demo", quick: bool = False, jobs: int = 2, threads: int = 1,
-             progress: bool = True) -> dict:
-    """Run (or complete) the demo sweep into `out`, print the table, write the plots; returns the report."""
+             progress: bool = True, stale: str = "stop") -> dict:
+    """Run (or complete) the demo sweep into `out`, print the table, write the plots; returns the report. `stale`:
+    what to do with runs there trained with other settings (`loopformer.experiments.stale`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = out / "demo.yaml"
@@ -62,7 +63,7 @@ def run_demo(out: str | os.PathLike = "demo", quick: bool = False, jobs: int = 2
               f"thread(s); results in {out}/", file=sys.stderr)
     t0 = time.time()
     run_sweep(str(config), grid, baseline, out, overrides, jobs=jobs, threads=threads, progress=progress,
-              desc="demo")
+              desc="demo", stale=stale)
     rep = write_report(out)
     if progress:
         print(rep["markdown"])

@@ -37,6 +37,7 @@ from loopformer.eval.budgets import budgets_plot
 from loopformer.eval.commands import evaluate_checkpoint
 from loopformer.eval.config import EvalConfig
 from loopformer.eval.evaluate import check_eval_args
+from loopformer.experiments.stale import moved_aside
 from loopformer.fileio import write_figure, write_text
 
 VARIANT_TITLES = {"standard": "Standard", "looped": "Looped", "tmlt": "w/ Timestep"}
@@ -46,13 +47,14 @@ _TASK_TITLES = {"lcs": "LCS", "edit_distance": "ED", "sudoku": "Sudoku", "countd
 
 
 def find_runs(folder: str | os.PathLike) -> list[dict]:
-    """results.json of every finished run under `folder` (a sweep folder, a run folder, or a folder of runs)."""
+    """results.json of every finished run under `folder` (a sweep folder, a run folder, or a folder of runs); runs
+    moved aside as stale (`loopformer.experiments.stale`) are not among them."""
     root = Path(folder)
     if not root.is_dir():
         raise UserError(f"not a folder: {root}")
     out = []
     for f in sorted(root.rglob("results.json")):
-        if "checkpoint" in f.parts:
+        if "checkpoint" in f.parts or moved_aside(f.relative_to(root)):
             continue
         try:
             r = json.loads(f.read_text())

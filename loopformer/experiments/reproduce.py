@@ -47,13 +47,14 @@ from loopformer.experiments.claims import (
     select,
     verdict,
 )
+from loopformer.experiments.stale import POLICIES, resolve_stale
 from loopformer.experiments.sweep import RunSpec, run_specs
 from loopformer.fileio import check_owned_folder, write_figure, write_json, write_text
 from loopformer.model.flops import format_flops, forward_flops, layer_applications
 from loopformer.sources import source_class
 from loopformer.train.config import load_run_config
 from loopformer.train.optim import steps_for
-from loopformer.train.run import git_commit, read_results
+from loopformer.train.run import CONFIG_FILE, git_commit, read_results
 
 SECONDS_PER_UNIT = 1.2e-10   # one thread of a 2-core machine: a demo run (LCS-6, r = 8, 3,000 steps) took 144 s
 GPU_UNITS_PER_S = 1.0e14     # assumed sustained rate on one modern GPU (bf16), for --scale paper estimates
@@ -519,7 +520,7 @@ def export(out: Path, dest: Path) -> Path:
 # ------------------------------------------------------------------ the sequential rule
 def sequential(claims: list[Claim], runs: list[PlannedRun], out: Path, key: str, theory: dict | None, *,
                quick: bool, seeds: int | None, max_seeds: int, jobs: int, threads: int,
-               progress: bool) -> list[dict]:
+               progress: bool, stale: str = "stop") -> list[dict]:
     """Run the planned runs and judge every claim; while a training claim is inconclusive and has fewer than
     `max_seeds` seeds, plan one more seed of its arms, run it and judge it again on all of its seeds. Each judged
     claim records how its seeds were chosen (`sequential`). Under `quick` (one seed) nothing is added."""
@@ -527,7 +528,7 @@ def sequential(claims: list[Claim], runs: list[PlannedRun], out: Path, key: str,
     while True:
         if runs:
             run_specs([r.spec for r in runs], None, [], jobs=jobs, threads=threads, progress=progress,
-                      desc="reproduce", out=out)
+                      desc="reproduce", out=out, stale=stale)
         run_analyses(claims, runs, out, progress)
         judged = [judge(c, runs, out, key, theory) for c in claims]
         more = [] if quick else [j for j in judged if _wants_seed(j, key, seeds, extra, max_seeds)]
@@ -593,10 +594,13 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
               jobs: int = 2, threads: int = 1, out: str | os.PathLike = "reproduce", scale: str = "cpu",
               registry: str | None = None, progress: bool = True, dry_run: bool = False,
               readme: str | None = None, command: str = "loopformer reproduce",
-              export_to: str | None = None, max_seeds: int = DEFAULT_MAX_SEEDS) -> dict[str, Any]:
+              export_to: str | None = None, max_seeds: int = DEFAULT_MAX_SEEDS,
+              stale: str = "stop") -> dict[str, Any]:
     """Plan, estimate, run what is missing, judge and report (see the module docstring); a claim still
-    inconclusive gets one more seed at a time up to `max_seeds` (`sequential`). Returns {"judged", "files",
-    "estimate", "ran"}; with `dry_run` (or --scale paper without CUDA) only the plan and estimate."""
+    inconclusive gets one more seed at a time up to `max_seeds` (`sequential`). Run folders trained with other
+    settings than their claims ask for now are handled by `stale` before anything runs ("stop" | "retrain" |
+    "keep", `loopformer.experiments.stale`). Returns {"judged", "files", "estimate", "ran"}; with `dry_run` (or
+    --scale paper without CUDA) only the plan and estimate."""
     if scale not in ("cpu", "paper"):
         raise UserError(f"--scale must be cpu or paper (got {scale!r})")
     if seeds is not None and not 1 <= seeds <= MAX_SEEDS:
@@ -620,6 +624,11 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
     if start:
         out.mkdir(parents=True, exist_ok=True)
         prepare_data(claims, out, key, progress)
+        resolve_stale([(r.spec.out_dir, load_run_config(r.spec.config, [*r.spec.overrides,
+                                                                           f"out_dir={r.spec.out_dir}"]))
+                       for r in runs if (r.spec.out_dir / CONFIG_FILE).is_file()], out, stale, progress, "reproduce")
+    elif stale not in POLICIES:
+        raise UserError(f"--stale must be one of {', '.join(POLICIES)} (got {stale!r})")
     est = estimate(runs, n_theory, jobs, gpu=gpu_plan)
     where = f"{jobs} process{'es' if jobs > 1 else ''} × {threads} thread{'s' if threads != 1 else ''}"
     line = (f"reproduce: {len(claims)} claims, {est['runs']} training runs ({est['runs'] - est['todo']} finished, "
@@ -634,7 +643,7 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
         return {"judged": [], "files": {}, "estimate": est, "ran": False}
     theory = run_theory(out, progress) if any(c.kind == "theory" for c in claims) else None
     judged = sequential(claims, runs, out, key, theory, quick=quick, seeds=seeds, max_seeds=max_seeds,
-                        jobs=jobs, threads=threads, progress=progress)
+                        jobs=jobs, threads=threads, progress=progress, stale=stale)
     files = write_reproduce_report(judged, out, command, scale, quick)
     if export_to:
         files["export"] = export(out, Path(export_to))

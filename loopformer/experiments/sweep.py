@@ -31,11 +31,12 @@ from tqdm.auto import tqdm
 
 from loopformer.commandline import interrupt_on_signals
 from loopformer.errors import UserError
+from loopformer.experiments.stale import resolve_stale
 from loopformer.fileio import open_nofollow
 from loopformer.sources import source_class
-from loopformer.train.config import load_run_config
+from loopformer.train.config import RunConfig, load_run_config
 from loopformer.train.optim import steps_for
-from loopformer.train.run import load_for_resume, read_metrics, resumable
+from loopformer.train.run import CONFIG_FILE, load_for_resume, read_metrics, resumable
 from loopformer.train.trainer import train
 
 RUNS = "runs"
@@ -103,11 +104,16 @@ def expand(grid: list[tuple[str, list[str]]], baseline: list[str], out: Path) ->
     return specs
 
 
+def _config_of(config: str | None, spec: RunSpec, overrides: list[str]) -> RunConfig:
+    """The config a run of the sweep is trained with when it starts now."""
+    return load_run_config(spec.config or config, [*overrides, *spec.overrides, f"out_dir={spec.out_dir}",
+                                                   f"name={spec.name}"])
+
+
 def prepare_specs(config: str | None, specs: list[RunSpec], overrides: list[str]) -> None:
     """Check every run's config (a bad one fails before anything runs) and estimate its cost."""
     for s in specs:
-        cfg = load_run_config(s.config or config, [*overrides, *s.overrides, f"out_dir={s.out_dir}",
-                                                   f"name={s.name}"])
+        cfg = _config_of(config, s, overrides)
         n_train = source_class(cfg.task).epoch_rows(cfg.task)
         s.steps = steps_for(cfg.train.steps, cfg.train.epochs, n_train, cfg.train.batch_size)
         s.cost = float(s.steps * cfg.model.loops * cfg.model.n_layers)
@@ -162,8 +168,9 @@ def _die_with_parent() -> None:
 
 def run_sweep(config: str | None, grid: list[tuple[str, list[str]]], baseline: list[str], out: str | os.PathLike,
               overrides: list[str] = (), jobs: int = 1, threads: int = 0, progress: bool = True,
-              desc: str = "sweep") -> list[RunSpec]:
-    """Run (or complete) a sweep; returns its runs. Raises UserError naming the runs that failed."""
+              desc: str = "sweep", stale: str = "stop") -> list[RunSpec]:
+    """Run (or complete) a sweep; returns its runs. Raises UserError naming the runs that failed. `stale`: what to
+    do with run folders trained with other settings than asked for now (`loopformer.experiments.stale`)."""
     out = Path(out)
     overrides = list(overrides)
     for ov in overrides:
@@ -171,17 +178,21 @@ def run_sweep(config: str | None, grid: list[tuple[str, list[str]]], baseline: l
             raise UserError("out_dir and name are set per run by the sweep; the sweep folder is `out`")
     specs = expand(grid, baseline, out)
     prepare_specs(config, specs, overrides)
-    run_specs(specs, config, overrides, jobs, threads, progress, desc, out)
+    run_specs(specs, config, overrides, jobs, threads, progress, desc, out, stale)
     return specs
 
 
 def run_specs(specs: list[RunSpec], config: str | None = None, overrides: list[str] = (), jobs: int = 1,
-              threads: int = 0, progress: bool = True, desc: str = "sweep", out: str | os.PathLike = ".") -> None:
+              threads: int = 0, progress: bool = True, desc: str = "sweep", out: str | os.PathLike = ".",
+              stale: str = "stop") -> None:
     """Run (or complete) prepared runs (`prepare_specs`), each with its own config when it names one: finished runs are
-    skipped, interrupted ones resumed; worker logs go to `out`/logs. Raises UserError naming the runs that
-    failed."""
+    skipped, interrupted ones resumed — unless they were trained with other settings than asked for now, which
+    `stale` decides ("stop" | "retrain" | "keep", `loopformer.experiments.stale`); worker logs go to `out`/logs.
+    Raises UserError naming the runs that failed."""
     out = Path(out)
     overrides = list(overrides)
+    resolve_stale([(s.out_dir, _config_of(config, s, overrides)) for s in specs
+                   if (s.out_dir / CONFIG_FILE).is_file()], out, stale, progress, desc)
     out.mkdir(parents=True, exist_ok=True)
     todo = [s for s in specs if not _done(s)]
     if progress and len(todo) < len(specs):
