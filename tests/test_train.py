@@ -18,7 +18,7 @@ from loopformer.model import LoopedTransformer
 from loopformer.sources import TokenData, stream_indices
 from loopformer.train.config import TrainConfig, load_run_config
 from loopformer.train.losses import summed_loss
-from loopformer.train.optim import loops_at, lr_at
+from loopformer.train.optim import curriculum_end, loops_at, lr_at
 from loopformer.train.run import read_metrics, read_results
 from loopformer.train.trainer import train
 
@@ -135,12 +135,27 @@ def test_loop_curriculum():
     assert loops_at(TrainConfig(steps=10), 5, 7) == 7
 
 
-def test_loop_curriculum_in_training(tmp_path):
+def test_curriculum_end_is_the_first_step_at_r():
+    cfg = TrainConfig(steps=100, loops_start=2, loops_every=10, loops_increment=3)
+    end = curriculum_end(cfg, 9)
+    assert end == 30 and loops_at(cfg, end, 9) == 9 and loops_at(cfg, end - 1, 9) < 9
+    assert all(curriculum_end(cfg, r) == min(s for s in range(1000) if loops_at(cfg, s, r) == r) for r in range(1, 40))
+    assert curriculum_end(TrainConfig(steps=10), 7) is None
+
+
+def test_loop_curriculum_in_training(tmp_path, capsys):
     cfg = tiny(tmp_path, "train.steps=6", "model.loops=4", "train.loops_start=1", "train.loops_every=2",
                "train.loops_increment=1")
     train(cfg)
     loops = [r["loops"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
     assert loops == [1, 1, 2, 2, 3, 3]
+    # the curriculum reaches 4 loops at step 6, after the run's 6 steps: said once, and recorded
+    err = capsys.readouterr().err
+    assert err.count("warning: the loop curriculum reaches model.loops = 4 at step 6, after this run's 6 steps") == 1
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["curriculum_reaches_loops_at"] == 6
+    train(tiny(tmp_path, "train.steps=7", "model.loops=4", "train.loops_start=1", "train.loops_every=2",
+               name="reached"))
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_icl_curriculum_and_training(tmp_path):

@@ -50,6 +50,14 @@ def loops_at(cfg: TrainConfig, step: int, final: int) -> int:
     return min(final, cfg.loops_start + (step // cfg.loops_every) * cfg.loops_increment)
 
 
+def curriculum_end(cfg: TrainConfig, final: int) -> int | None:
+    """The first step whose loop curriculum count (`loops_at`) is `final` (the model's loops); None without a
+    curriculum. A run of fewer steps never trains at `final` loops, nor draws past it (`loops_hold`)."""
+    if cfg.loops_start <= 0 or cfg.loops_start >= final:
+        return None if cfg.loops_start <= 0 else 0
+    return math.ceil((final - cfg.loops_start) / cfg.loops_increment) * cfg.loops_every
+
+
 def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int = 1) -> np.ndarray:
     """Loop budgets of step `step` (`train.loops_sample`): [rows] ints in loops_min..loops_max, drawn "uniform" or
     "loguniform" (⌊exp(U(log lo, log(hi + 1)))⌋: each octave equally often) by a generator seeded with

@@ -68,7 +68,7 @@ from loopformer.train.losses import (
     supervised,
     supervised_count,
 )
-from loopformer.train.optim import lr_at, make_optimizer, sample_loops, steps_for
+from loopformer.train.optim import curriculum_end, lr_at, make_optimizer, sample_loops, steps_for
 from loopformer.train.run import MetricsLog
 from loopformer.train.selection import BestKeeper
 from loopformer.train.sharding import (
@@ -474,12 +474,18 @@ class Trainer:
         the checkpoint when resuming)."""
         cfg, d, state = self.cfg, self.d, self.state
         if d.main:
+            reach = curriculum_end(cfg.train, cfg.model.loops)   # the first step at model.loops (a curriculum)
             info = {"name": cfg.name, "config": to_dict(cfg), "seed": cfg.seed, "git": run.git_commit(),
                     "versions": run.package_versions(), "command": sys.argv, "world_size": d.world,
                     "device": str(d.device), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "resumed_from_step": self.start if self.resume else None, "total_steps": self.total,
-                    "params": unwrap(self.model).num_params()}
+                    "params": unwrap(self.model).num_params(), "curriculum_reaches_loops_at": reach}
             run.write_start(self.run_dir, cfg, info)
+            if reach is not None and reach >= self.total and not self.resume:
+                print(f"loopformer: warning: the loop curriculum reaches model.loops = {cfg.model.loops} at step "
+                      f"{reach:,}, after this run's {self.total:,} steps: it never trains {cfg.model.loops} loops"
+                      f"{' nor draws past them' if cfg.train.samples_budgets else ''} (raise train.steps or lower "
+                      f"train.loops_every)", file=sys.stderr)
         self.log = MetricsLog(self.run_dir, cfg, self.start if self.resume else None, d.main, final_step=self.total)
         show = d.main and (cfg.log.progress if progress is None else progress)
         self.bar = tqdm(total=self.total, initial=self.start, desc=cfg.name, disable=not show, dynamic_ncols=True)
