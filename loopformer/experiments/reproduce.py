@@ -517,18 +517,29 @@ def export(out: Path, dest: Path) -> Path:
     return dest
 
 
+def check_stale(runs: list[PlannedRun], out: Path, stale: str, progress: bool, checked: set[Path]) -> None:
+    """`resolve_stale` on the planned runs not in `checked` (each run folder is compared once), then adds them."""
+    new = [r for r in runs if r.spec.out_dir not in checked]
+    resolve_stale([(r.spec.out_dir, load_run_config(r.spec.config, [*r.spec.overrides, f"out_dir={r.spec.out_dir}"]))
+                   for r in new if (r.spec.out_dir / CONFIG_FILE).is_file()], out, stale, progress, "reproduce")
+    checked.update(r.spec.out_dir for r in new)
+
+
 # ------------------------------------------------------------------ the sequential rule
 def sequential(claims: list[Claim], runs: list[PlannedRun], out: Path, key: str, theory: dict | None, *,
                quick: bool, seeds: int | None, max_seeds: int, jobs: int, threads: int,
-               progress: bool, stale: str = "stop") -> list[dict]:
+               progress: bool, stale: str = "stop", checked: set[Path] | None = None) -> list[dict]:
     """Run the planned runs and judge every claim; while a training claim is inconclusive and has fewer than
     `max_seeds` seeds, plan one more seed of its arms, run it and judge it again on all of its seeds. Each judged
-    claim records how its seeds were chosen (`sequential`). Under `quick` (one seed) nothing is added."""
+    claim records how its seeds were chosen (`sequential`). Under `quick` (one seed) nothing is added. Run folders
+    not in `checked` are compared with their configs first (`check_stale`, policy `stale`)."""
+    checked = set() if checked is None else checked
     extra: dict[str, int] = {}
     while True:
         if runs:
+            check_stale(runs, out, stale, progress, checked)
             run_specs([r.spec for r in runs], None, [], jobs=jobs, threads=threads, progress=progress,
-                      desc="reproduce", out=out, stale=stale)
+                      desc="reproduce", out=out, stale=None)
         run_analyses(claims, runs, out, progress)
         judged = [judge(c, runs, out, key, theory) for c in claims]
         more = [] if quick else [j for j in judged if _wants_seed(j, key, seeds, extra, max_seeds)]
@@ -618,15 +629,14 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
         raise UserError(f"no registered claim has a {scale}-scale experiment among those asked")
     out = Path(out)
     runs = plan(claims, out, key, quick, seeds)
+    checked: set[Path] = set()                 # run folders already compared with their configs
     n_theory = sum(c.kind == "theory" and not (out / "runs" / "theory" / "results.json").is_file() for c in claims)
     gpu_plan = scale == "paper"
     start = not dry_run and (not gpu_plan or torch.cuda.is_available())
     if start:
         out.mkdir(parents=True, exist_ok=True)
         prepare_data(claims, out, key, progress)
-        resolve_stale([(r.spec.out_dir, load_run_config(r.spec.config, [*r.spec.overrides,
-                                                                           f"out_dir={r.spec.out_dir}"]))
-                       for r in runs if (r.spec.out_dir / CONFIG_FILE).is_file()], out, stale, progress, "reproduce")
+        check_stale(runs, out, stale, progress, checked)
     elif stale not in POLICIES:
         raise UserError(f"--stale must be one of {', '.join(POLICIES)} (got {stale!r})")
     est = estimate(runs, n_theory, jobs, gpu=gpu_plan)
@@ -643,7 +653,7 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
         return {"judged": [], "files": {}, "estimate": est, "ran": False}
     theory = run_theory(out, progress) if any(c.kind == "theory" for c in claims) else None
     judged = sequential(claims, runs, out, key, theory, quick=quick, seeds=seeds, max_seeds=max_seeds,
-                        jobs=jobs, threads=threads, progress=progress, stale=stale)
+                        jobs=jobs, threads=threads, progress=progress, stale=stale, checked=checked)
     files = write_reproduce_report(judged, out, command, scale, quick)
     if export_to:
         files["export"] = export(out, Path(export_to))

@@ -37,6 +37,7 @@ STALE_DIR = ".stale"                 # under a sweep's or reproduction's folder:
 IGNORED = frozenset({"name", "out_dir", "device", "threads", "memory_check", "train.compile", "train.compile_scope",
                      "train.compile_mode", "train.log_every", "model.checkpoint", "eval.batch_size"})
 IGNORED_PREFIXES = ("log.",)
+_MISSING = object()                  # a key one of two configs lacks
 
 
 def moved_aside(path: str | os.PathLike) -> bool:
@@ -82,16 +83,15 @@ def config_changes(run_dir: str | os.PathLike, cfg: RunConfig) -> list[tuple[str
     except UserError as e:
         return [(CONFIG_FILE, str(e), "loads")]
     now = flatten(to_dict(cfg))
-    missing = object()
-    return [(k, theirs.get(k, missing), now.get(k, missing)) for k in sorted(set(theirs) | set(now))
-            if compared(k) and not _same(theirs.get(k, missing), now.get(k, missing))]
+    return [(k, theirs.get(k, _MISSING), now.get(k, _MISSING)) for k in sorted(set(theirs) | set(now))
+            if compared(k) and not _same(theirs.get(k, _MISSING), now.get(k, _MISSING))]
 
 
 def describe(change: tuple[str, Any, Any]) -> str:
     key, old, new = change
     if key == CONFIG_FILE:
         return f"its {CONFIG_FILE} no longer loads ({old})"
-    show = (lambda v: "(absent)" if not isinstance(v, (str, int, float, bool, list, type(None))) else repr(v))
+    show = (lambda v: "(absent)" if v is _MISSING else repr(v))                   # noqa: E731
     return f"{key} {show(old)} → {show(new)}"
 
 

@@ -184,15 +184,17 @@ def run_sweep(config: str | None, grid: list[tuple[str, list[str]]], baseline: l
 
 def run_specs(specs: list[RunSpec], config: str | None = None, overrides: list[str] = (), jobs: int = 1,
               threads: int = 0, progress: bool = True, desc: str = "sweep", out: str | os.PathLike = ".",
-              stale: str = "stop") -> None:
+              stale: str | None = "stop") -> None:
     """Run (or complete) prepared runs (`prepare_specs`), each with its own config when it names one: finished runs are
     skipped, interrupted ones resumed — unless they were trained with other settings than asked for now, which
-    `stale` decides ("stop" | "retrain" | "keep", `loopformer.experiments.stale`); worker logs go to `out`/logs.
+    `stale` decides ("stop" | "retrain" | "keep", `loopformer.experiments.stale`; None: the caller has checked);
+    worker logs go to `out`/logs.
     Raises UserError naming the runs that failed."""
     out = Path(out)
     overrides = list(overrides)
-    resolve_stale([(s.out_dir, _config_of(config, s, overrides)) for s in specs
-                   if (s.out_dir / CONFIG_FILE).is_file()], out, stale, progress, desc)
+    if stale is not None:
+        resolve_stale([(s.out_dir, _config_of(config, s, overrides)) for s in specs
+                       if (s.out_dir / CONFIG_FILE).is_file()], out, stale, progress, desc)
     out.mkdir(parents=True, exist_ok=True)
     todo = [s for s in specs if not _done(s)]
     if progress and len(todo) < len(specs):
