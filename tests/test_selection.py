@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ from safetensors.torch import load_file
 from test_train import TINY
 
 from loopformer.cli import main
+from loopformer.eval.run import evaluate_all
+from loopformer.model.io import load
+from loopformer.sources import make_data
 from loopformer.train.config import load_run_config
-from loopformer.train.selection import BestKeeper
+from loopformer.train.selection import BestKeeper, held_score
 from loopformer.train.trainer import Trainer, train
 
 KEEP = [*TINY, "task.n_val=24", "train.keep_best=true", "train.eval_every=1", "train.steps=5", "log.dynamics=false",
@@ -89,6 +93,46 @@ def test_keep_best_refusals(tmp_path, capsys, drop, add, needle):
     (tmp_path / "c.yaml").write_text("name: keep\n")
     args = [a for a in KEEP if a != drop]
     assert main(["train", str(tmp_path / "c.yaml"), "--quiet", *args, *add, f"out_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r" / "checkpoint").exists()
+
+
+def test_held_score_is_the_worst_metric_from_r_to_the_deepest_drawn_loop():
+    curve = [{"loop": t, "accuracy": a, "loss": 1 - a} for t, a in enumerate([0.1, 0.9, 0.8, 0.95, 0.7], start=1)]
+    res = {"metric": "accuracy", "loops": 2, "max_loops": 5, "higher_is_better": True, "loopwise": curve,
+           "metrics": {"accuracy": 0.9}}
+    assert held_score(res) == 0.7                                     # loops 2..5; loop 1 (0.1) is before r
+    assert held_score({**res, "loopwise": curve[:4]}) == 0.8
+    assert held_score({**res, "metric": "loss", "higher_is_better": False}) == pytest.approx(0.3)
+    assert held_score({**res, "loopwise": [], "metrics": {"accuracy": 0.6}}) == 0.6   # no curve: the metric at r
+
+
+def test_keep_best_depth_trained_scores_the_held_loops(tmp_path):
+    """Draws 2..4 loops (loops_hold=2): every validation record's score is the worst accuracy over loops 2..4, the
+    kept step is the first best of them, and the final weights evaluated afresh on the validation split give the
+    kept score."""
+    over = [*KEEP, "train.loops_hold=2", "train.keep_best_depth=trained", f"out_dir={tmp_path / 'r'}"]
+    cfg = load_run_config(None, over)
+    res = train(cfg)
+    val = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in val if r.get("split") == "val"]
+    assert [r["held_to"] for r in val] == [4] * 5 and all(r["held"] <= r["accuracy"] for r in val)
+    best = max(val, key=lambda r: (r["held"], -r["step"]))
+    assert res["keep_best"]["step"] == best["step"] and res["keep_best"]["val"] == best["held"]
+    again = evaluate_all(load(tmp_path / "r"), make_data(cfg.task).validation(),
+                         replace(cfg.eval, max_loops=4), extras=False)
+    worst = min(p["accuracy"] for p in again["loopwise"] if p["loop"] >= 2)
+    assert worst == pytest.approx(best["held"])
+
+
+@pytest.mark.parametrize("add,needle", [
+    (["train.keep_best_depth=trained"], "loop counts past r that the run draws"),
+    (["train.keep_best_depth=deep"], "keep_best_depth must be r or trained"),
+])
+def test_keep_best_depth_refusals(tmp_path, capsys, add, needle):
+    (tmp_path / "c.yaml").write_text("name: keep\n")
+    assert main(["train", str(tmp_path / "c.yaml"), "--quiet", *KEEP, *add, f"out_dir={tmp_path / 'r'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
     assert not (tmp_path / "r" / "checkpoint").exists()

@@ -122,6 +122,9 @@ class TrainConfig:
     keep_best: bool = False           # keep the weights that score best on the validation split (task.n_val) at the
                                       # periodic evaluations (eval_every) and the end, and finish with them
                                       # (loopformer.train.selection; results.json "keep_best")
+    keep_best_depth: str = "r"        # what keep_best scores: "r", the metric at r | "trained", the worst of the
+                                      # metric at r..R, R the deepest loop count the run draws (loops_hold,
+                                      # loops_sample): weights that hold the answer over the loops they train
     skip_spikes: float = 0.0          # > 1: skip an optimiser step whose gradient norm (before clipping) exceeds this
                                       # many times its running geometric mean (loopformer.train.spikes); 0: off
     spike_window: int = 100           # steps the running mean of log gradient norms spans
@@ -270,6 +273,12 @@ class RunConfig:
                   "an exit gate's loss are not available with it")
         else:
             _need(tr.loop_jitter == 0, "train.loop_jitter adds loops to a loop rule's: set model.loop_rule")
+        _need(tr.keep_best_depth in ("r", "trained"),
+              f"train.keep_best_depth must be r or trained (got {tr.keep_best_depth!r})")
+        if tr.keep_best_depth == "trained":
+            _need(tr.samples_budgets and tr.budget_range(m.loops)[1] > m.loops and m.loop_rule == "fixed",
+                  "train.keep_best_depth=trained scores the loop counts past r that the run draws: set "
+                  "train.loops_hold or train.loops_sample with loops_max > model.loops (no model.loop_rule)")
         if tr.keep_best:
             _need(tr.eval_every > 0, "train.keep_best selects among the periodic evaluations: set train.eval_every")
             _need(tr.parallel != "fsdp",

@@ -5,9 +5,13 @@ basin (docs/stability.md: training accuracy 99.97 % at step 2,800, chance from s
 `train.keep_best` the run scores its weights on a validation split — rows of the task's own `val` stream
 (`task.n_val`), disjoint from the training and test rows by the split hash — at every periodic evaluation
 (`train.eval_every`) and at the end, and keeps a copy of the best-scoring weights (the headline metric at r; ties keep
-the earlier). At the end the model takes the kept weights before its final evaluation and checkpoint, so
-results.json, `eval` and `generate` see the selected model; results.json's "keep_best" records the step it came
-from, its validation score, and the last step's test metrics beside it. The test split never chooses.
+the earlier). With `train.keep_best_depth=trained` the score is the worst of that metric over loops r..R, R the
+deepest loop count the run draws past r (`train.loops_hold`, `train.loops_sample`): the weights kept are those that
+hold the answer over every loop count they were trained on, not the ones right at r that drift by R (a run that
+learns the task first and the hold later would otherwise keep its weights from before the hold). At the end the
+model takes the kept weights before its final evaluation and checkpoint, so results.json, `eval` and `generate` see
+the selected model; results.json's "keep_best" records the step it came from, its validation score, and the last
+step's test metrics beside it. The test split never chooses.
 
 The copy is part of the checkpoint (`best.safetensors` beside the weights, its step and score in the training
 state): a resumed run selects exactly as the uninterrupted one. Not with sharded training (the copy would be the
@@ -22,6 +26,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 BEST_WEIGHTS = "best.safetensors"
+
+
+def held_score(result: dict) -> float:
+    """The worst of a loop-wise evaluation's headline metric over loops r..R (`train.keep_best_depth=trained`):
+    weights score by the loop count at which they are furthest from the answer, so a model right at r that drifts
+    by R scores its drift. `result`: `evaluate_all`'s, loop-wise to R = result["max_loops"]."""
+    metric, r = result["metric"], result["loops"]
+    values = [float(p[metric]) for p in result["loopwise"] if p["loop"] >= r] or [float(result["metrics"][metric])]
+    return min(values) if result["higher_is_better"] else max(values)
 
 
 class BestKeeper:
@@ -73,4 +86,4 @@ class BestKeeper:
         self.weights = load_file(str(Path(folder) / BEST_WEIGHTS))
 
 
-__all__ = ["BestKeeper", "BEST_WEIGHTS"]
+__all__ = ["BestKeeper", "BEST_WEIGHTS", "held_score"]

@@ -27,6 +27,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ from loopformer.train.losses import (
 )
 from loopformer.train.optim import curriculum_end, lr_at, make_optimizer, sample_loops, steps_for
 from loopformer.train.run import MetricsLog
-from loopformer.train.selection import BestKeeper
+from loopformer.train.selection import BestKeeper, held_score
 from loopformer.train.sharding import (
     SHARDED,
     full,
@@ -707,13 +708,20 @@ class Trainer:
         return broadcast_object(self.d, res)
 
     def score_validation(self, model: torch.nn.Module, step: int) -> None:
-        """train.keep_best (rank 0): `model`'s headline metric at r on the validation split, logged as a "val"
-        record; its weights kept when it is the best so far (`loopformer.train.selection`)."""
-        res = evaluate_all(model, self.val_data, self.cfg.eval, loopwise=False, extras=False, device=self.d.device,
+        """train.keep_best (rank 0): `model`'s headline metric at r on the validation split — with
+        `train.keep_best_depth=trained` the worst of it over loops r..R, the deepest loop count training draws
+        (`held_score`) — logged as a "val" record; its weights kept when it is the best so far
+        (`loopformer.train.selection`)."""
+        tc, metric = self.cfg.train, self.data.metric
+        deep = tc.keep_best_depth == "trained"
+        ecfg = replace(self.cfg.eval, loopwise=True, max_loops=tc.budget_range(self.cfg.model.loops)[1]) \
+            if deep else self.cfg.eval
+        res = evaluate_all(model, self.val_data, ecfg, loopwise=deep, extras=False, device=self.d.device,
                            autocast=self.autocast)
-        score = float(res["metrics"][self.data.metric])
+        score = held_score(res) if deep else float(res["metrics"][metric])
         kept = self.keeper.offer(unwrap(model), score, step)
-        self.log.write({"split": "val", "step": step, "loops": res["loops"], **res["metrics"], "kept": kept})
+        self.log.write({"split": "val", "step": step, "loops": res["loops"], **res["metrics"],
+                        **({"held": score, "held_to": res["max_loops"]} if deep else {}), "kept": kept})
 
     def select(self, step: int) -> None:
         """train.keep_best at the end (rank 0): score the last weights too, and when earlier ones scored better,
