@@ -27,7 +27,7 @@ from loopformer.tasks.common import causal_targets
 from loopformer.tasks.word_problem import group_elements
 from loopformer.train.config import load_run_config
 from loopformer.train.distributed import setup, teardown
-from loopformer.train.trainer import Trainer
+from loopformer.train.trainer import Trainer, train
 
 
 # ----------------------------------------------------------------------------------------------- brute force
@@ -170,6 +170,42 @@ def test_each_row_runs_the_loops_of_its_size(tmp_path):
     for m, j in zip(micro, extra):
         assert m["row_loops"].tolist() == (m["size"].numpy() + j).tolist()
     assert tr.loops == max(int(m["row_loops"].max()) for m in micro)
+
+
+def test_loop_rule_rows_are_scored_on_their_own_step_t_in_a_length_curriculum(tmp_path, monkeypatch):
+    """The word problem (K = 7 steps at length 8) under a length curriculum that starts at 3 elements: a batch runs
+    at most 3 loops, and loop t of every row is scored against step t of the scan (the products of t + 1
+    elements), not against steps spread over the 3 loops."""
+    over = ["task.name=word_problem", "task.options={group: S3, length: 8, min_length: 1, causal: true}",
+            "task.loop_targets=true", "task.length_start=3", "task.length_every=100", "task.n_train=256",
+            "task.n_test=16", "model.d_model=16", "model.n_heads=2", "model.pos=rope", "model.attn_window=2",
+            "model.input_injection=true", "model.loops=8", "model.loop_rule=linear:1,0", "train.steps=2",
+            "train.batch_size=8", "train.loss_loops=all", "train.compile=false", "log.tensorboard=false",
+            "log.progress=false", "log.dynamics=false", "eval.drift=false", f"out_dir={tmp_path / 'r'}"]
+    seen = []
+    orig = Trainer.forward_loss
+
+    def spy(self, x, state, offset, at, targets, *a, **k):
+        seen.append((x.clone(), targets.clone()))
+        return orig(self, x, state, offset, at, targets, *a, **k)
+
+    monkeypatch.setattr(Trainer, "forward_loss", spy)
+    train(load_run_config(None, over))
+    assert seen
+    _, table = group_elements("S3")
+    for x, targets in seen:                                          # targets [R,B,T], R <= 3 loops
+        assert 1 <= targets.shape[0] <= 3
+        words = x.numpy() - 1                                        # element ids; pads -1
+        for t in range(targets.shape[0]):
+            for b in range(words.shape[0]):
+                for i in range(words.shape[1]):
+                    if words[b, i] < 0:
+                        assert targets[t, b, i] == IGNORE
+                        continue
+                    g = words[b, i]                                  # the product of elements i - t .. i
+                    for j in range(i - 1, max(-1, i - t - 2), -1):
+                        g = table[words[b, j], g]
+                    assert targets[t, b, i] == g + 1
 
 
 def test_a_row_with_its_own_loops_equals_a_run_of_that_many():

@@ -284,6 +284,9 @@ def test_prefix_targets_keep_each_loop_on_its_step_in_a_curriculum():
     assert loop_targets(steps, 4, 4, schedule=8)[:, 0, 0].tolist() == [0, 1, 2, 3]   # prefix: steps 1-4
     assert loop_targets(steps, 4, 2, schedule=16)[:, 0, 0].tolist() == [2, 3]   # r = 16 > K: one step per loop
     assert torch.equal(loop_targets(steps, 8, 8, schedule=8), loop_targets(steps, 8, 8))   # at R = r: the same
+    # a loop rule's batch of short rows (R = 4 < K = 8): loop t is step t, never spread
+    assert loop_targets(steps, 4, 4, per_row=True)[:, 0, 0].tolist() == [0, 1, 2, 3]
+    assert loop_targets(steps, 10, 3, per_row=True)[:, 0, 0].tolist() == [7, 7, 7]   # past K: the final state
 
 
 def test_prefix_curriculum_trains(tmp_path):

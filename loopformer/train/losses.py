@@ -95,12 +95,17 @@ def loss_loops(cfg: TrainConfig, loops: int) -> int | None:
     return min(cfg.loss_window, loops)
 
 
-def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int, schedule: int | None = None) -> torch.Tensor:
+def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int, schedule: int | None = None,
+                 per_row: bool = False) -> torch.Tensor:
     """The targets of the last `n_read` of `loops` read-outs from a task's intermediate states: [n_read,B,T] from
     step_targets [B,K,T], loop t scored against step j(t) (`loop_steps`) of a run of `loops` loops — or, with
     `schedule` (a curriculum's "prefix" targets), of a run of `schedule` >= loops loops, so a shorter step trains
-    the first loops of the full run on the same targets."""
-    full = loop_steps(max(loops, schedule or 0), step_targets.shape[1])[:loops]
+    the first loops of the full run on the same targets. `per_row` (a loop rule: each row runs its own T(n) loops,
+    at least its own steps): loop t is step min(t, K) whatever the batch's largest loop count — the steps are never
+    spread over fewer loops, since a batch of short rows (a length curriculum) runs fewer loops than the K steps of
+    the longest row, and each row's step_targets hold its final state after its own steps."""
+    K = step_targets.shape[1]
+    full = loop_steps(max(loops, schedule or 0, K if per_row else 0), K)[:loops]
     j = torch.as_tensor(full[loops - n_read:] - 1, device=step_targets.device)
     return step_targets.index_select(1, j).transpose(0, 1)
 

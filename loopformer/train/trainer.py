@@ -565,7 +565,7 @@ class Trainer:
         at = mb.get("read_at")                                   # [n] | None: every position
         targets = mb["targets"] if "step_targets" not in mb else \
             loop_targets(mb["step_targets"], R, n_read,                          # [n_read,B,T] per-loop targets
-                         cfg.model.loops if tc.curriculum_targets == "prefix" else None)
+                         cfg.model.loops if tc.curriculum_targets == "prefix" else None, per_row=not self.rule.fixed)
         rows = mb.get("row_loops")                                              # [b] | None
         R_mb = R if rows is None else int(rows.max())
 
