@@ -88,6 +88,59 @@ def test_fixed_size_rows_and_disjoint_deterministic_splits(name, options):
     assert task.metrics(wrong, train)["accuracy"] == pytest.approx(1 - 1 / 400)
 
 
+def _scan_reference(name: str, toks: list[str], n: int, K: int) -> list[list[str | None]]:
+    """The read-out's targets after loops 1..K of a one-step scan, simulated token by token: each loop every
+    position takes its left neighbour's content (copy: a shift register) or XORs its own bit into it (parity:
+    the parity of the window p − j .. p); a position is supervised where the final answer is read and the scan
+    has brought a symbol (copy) or any bits (parity) there; from loop n on, the final targets. None: IGNORE."""
+    T = len(toks)
+    final = [toks[p + 1] if p + 1 < T and toks[p] != "<pad>" and "=" in toks[:p + 1] and toks[p + 1] != "<pad>"
+             else None for p in range(T)]
+    out = []
+    if name == "copy":
+        state = [t if p <= n else None for p, t in enumerate(toks)]    # the problem; the answer is blank
+        for j in range(1, K + 1):
+            state = [None] + state[:-1]                               # one position to the right
+            if j >= n:
+                out.append(final)
+                continue
+            out.append([state[p] if final[p] is not None and final[p] != "<eos>" and state[p] not in
+                        (None, "=", "<bos>", "<pad>") else None for p in range(T)])
+        return out
+    state = [0] * T
+    bit = [int(t) if t in ("0", "1") and p <= n else 0 for p, t in enumerate(toks)]
+    state = bit                                                        # loop 0: each position its own bit
+    for j in range(1, K + 1):
+        state = [bit[p] ^ (state[p - 1] if p else 0) for p in range(T)]  # the XOR of bits p − j .. p
+        row = list(final)
+        row[n + 1] = str(state[n + 1]) if j < n else final[n + 1]
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("name", ["parity", "copy"])
+def test_scan_targets_match_a_simulated_one_step_scan(name):
+    task = get_task(name, length=7, min_length=1, scan=True)
+    b = task.generate(200, seed=1)
+    assert task.steps == 7 and b["step_targets"].shape == (200, 7, task.seq_len)
+    assert np.array_equal(b["step_targets"][:, -1], b["targets"])           # the last step is the answer
+    plain = get_task(name, length=7, min_length=1).generate(200, seed=1)
+    assert "step_targets" not in plain and all(np.array_equal(plain[k], b[k]) for k in plain)
+    for i in range(len(b["inputs"])):
+        toks, n = task.vocab.decode(b["inputs"][i]), int(b["size"][i])
+        want = _scan_reference(name, toks, n, task.steps)
+        got = [[None if t == IGNORE else task.vocab.decode([t])[0] for t in step] for step in b["step_targets"][i]]
+        assert got == want, (toks, n)
+
+
+@pytest.mark.parametrize("name,options,needle", [("addition", {}, "has no one-step scan"),
+                                                 ("copy", {"reverse": True}, "reversed copy"),
+                                                 ("parity", {"scan": "yes"}, "scan")])
+def test_scan_refusals(name, options, needle):
+    with pytest.raises(UserError, match=needle):
+        get_task(name, length=5, **{"scan": True, **options})
+
+
 @pytest.mark.parametrize("bad,needle", [({"length": 0}, "length must be >= 1"),
                                         ({"length": 4, "min_length": 5}, "min_length must be <= 4"),
                                         ({"length": 4, "min_length": -1}, "min_length must be >= 0")])
@@ -487,3 +540,23 @@ def test_a_windowed_rotary_block_trains_and_runs_at_any_length(tmp_path):
     got = json.loads(out_json.read_text())["lengths"]["lengths"][0]
     assert got["length"] == 20 and got["loops"] == 20 and 0.0 <= got["metric"] <= 1.0
     assert load(resolve_checkpoint(str(tmp_path / "r"))).config.attn_window == 2
+
+
+def test_copy_trains_on_its_scan_and_is_evaluated_at_other_lengths(tmp_path, monkeypatch):
+    """task.options.scan with per-loop targets: every loop of every row is scored against the scan's step t (the
+    symbol t positions back at the answer's read positions), and the run is evaluated at a longer length."""
+    seen = []
+    orig = Trainer.forward_loss
+
+    def spy(self, x, state, offset, at, targets, *a, **k):
+        seen.append(targets.clone())
+        return orig(self, x, state, offset, at, targets, *a, **k)
+
+    monkeypatch.setattr(Trainer, "forward_loss", spy)
+    assert _train(tmp_path, "task.name=copy", "task.options={length: 6, min_length: 1, scan: true}",
+                  "task.full_output=true", "task.loop_targets=true", "train.loss_loops=all", "model.pos=rope",
+                  "model.attn_window=2", "train.compile=false", "eval.lengths=[12]") == 0
+    assert seen and all(t.dim() == 3 and 1 <= t.shape[0] <= 6 for t in seen)     # [R,B,T], R <= T(6) = 6 loops
+    assert any((t[0] != IGNORE).any() and (t[0] == IGNORE).sum() > (t[-1] == IGNORE).sum() for t in seen)
+    res = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert [p["length"] for p in res["lengths"]["lengths"]] == [12]

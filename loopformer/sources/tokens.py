@@ -143,7 +143,8 @@ class TokenData(DataSource):
             self.test = hide_answers(self.test, self.task.pad_id)
         if cfg.loop_targets and "step_targets" not in self.train:
             raise UserError(f"task.loop_targets: the {self.task.name} task has no intermediate states "
-                            "(step_targets; e.g. word_problem, pointer_chase, schedule)")
+                            "(step_targets; e.g. word_problem, pointer_chase, schedule; parity and copy with "
+                            "task.options.scan=true)")
         if cfg.augment and not self.task.augments:
             raise UserError(f"task.augment: the {self.task.name} task defines no augmentation")
         self.n_train = len(self.train["inputs"])

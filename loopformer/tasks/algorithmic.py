@@ -19,8 +19,19 @@ with <bos>, a token a causal model without position encodings (`model.pos=none`)
 
 Arrays: inputs / targets [N, T] (targets IGNORE outside the answer and its <eos>), answer_start [N] (the index of
 the first answer token), length [N] (non-pad tokens), size [N] (n). Splits are disjoint by a hash of the whole
-row (`loopformer.tasks.common.draw_in_split`). Every answer is checked against a brute-force reference in the
-tests (Python integers, one row at a time).
+row (`loopformer.tasks.common.draw_in_split`).
+
+Intermediate states (option `scan`, parity and copy; for `task.loop_targets` with T(n) = n loops and a window of
+two positions, `model.attn_window=2`): also step_targets [N, K, T], K = length, the read-out's targets after each
+loop j of the one-step scan. After j loops a read position p has seen positions p − j .. p only, so:
+
+    parity  the read-out before p holds the parity of the last min(j, n) bits (the whole parity from loop n on)
+    copy    the read-out before y_i holds the symbol j positions back, x_(n+i−j), once that is a symbol (j >= i;
+            IGNORE before); <eos> from loop n on — for copy the only way a window of two can move x_i to y_i
+
+A row of size n holds its final targets for every step past n.
+
+Every answer is checked against a brute-force reference in the tests (Python integers, one row at a time).
 """
 
 from __future__ import annotations
@@ -30,7 +41,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from loopformer.tasks.base import TokenTask, Vocab
+from loopformer.errors import UserError
+from loopformer.tasks.base import IGNORE, TokenTask, Vocab
 from loopformer.tasks.common import (
     causal_targets,
     check_bool,
@@ -54,6 +66,7 @@ class LengthTask(TokenTask):
 
     length: int = 16          # n: the largest size (every size with min_length = 0)
     min_length: int = 0       # > 0: sizes drawn uniformly from min_length..length
+    scan: bool = False        # also the one-step scan's intermediate states (step_targets; parity and copy)
 
     causal = True
     symbols: ClassVar[list[str]] = []
@@ -61,9 +74,14 @@ class LengthTask(TokenTask):
     def __post_init__(self) -> None:
         check_range("length", self.length, 1, MAX_LENGTH)
         check_range("min_length", self.min_length, 0, self.length)
+        check_bool("scan", self.scan)
         self.check_options()
         self.vocab = Vocab(SPECIALS + self.symbols)
         self.seq_len = self.max_row(self.length)
+        if self.scan:
+            if type(self).scan_targets is LengthTask.scan_targets:
+                raise UserError(f"option scan: the {self.name} task has no one-step scan (parity and copy have)")
+            self.steps = self.length
 
     # ---------------------------------------------------------------- what a task defines
     def check_options(self) -> None:
@@ -82,6 +100,11 @@ class LengthTask(TokenTask):
     def solve(self, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(problem tokens [m, P], answer tokens [m, A]) as token ids, for rows of size n from their random draws
         x [m, width]."""
+        raise NotImplementedError
+
+    def scan_targets(self, rows: np.ndarray, targets: np.ndarray, n: int) -> np.ndarray:
+        """[m, K, T] the targets after loops 1..K of the one-step scan for rows of size n (`scan`), from their
+        tokens and final targets [m, T]; steps past n repeat the final targets."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- the contract
@@ -109,8 +132,16 @@ class LengthTask(TokenTask):
             rows[sel, P + 1:P + 1 + A] = ans
             rows[sel, P + 1 + A] = EOS
             start[sel], length[sel] = P + 1, P + A + 2
-        return {"inputs": rows, "targets": causal_targets(rows, start, length), "answer_start": start,
-                "length": length, "size": size.astype(np.int64)}
+        targets = causal_targets(rows, start, length)
+        out = {"inputs": rows, "targets": targets, "answer_start": start, "length": length,
+               "size": size.astype(np.int64)}
+        if self.scan:
+            steps = np.empty((m, self.steps, self.seq_len), dtype=np.int32)
+            for n in np.unique(size):
+                sel = np.flatnonzero(size == n)
+                steps[sel] = self.scan_targets(rows[sel], targets[sel], int(n))
+            out["step_targets"] = steps
+        return out
 
     def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
         return draw_in_split(self._draw, n, make_rng(seed, split), split)
@@ -147,6 +178,16 @@ class ParityTask(LengthTask):
         b = x[:, :n]
         return _bits(self, b), _bits(self, b.sum(axis=1, keepdims=True) % 2)
 
+    def scan_targets(self, rows: np.ndarray, targets: np.ndarray, n: int) -> np.ndarray:
+        """Loop j: at the read position of the parity (the "=" at n + 1) the parity of bits n − j + 1 .. n; <eos>
+        (read one position later, next to the "=") at every loop."""
+        steps = np.repeat(targets[:, None, :], self.steps, axis=1)           # [m,K,T]
+        bits = rows[:, 1:n + 1] - self.vocab.index["0"]                     # [m,n]
+        suffix = np.cumsum(bits[:, ::-1], axis=1) % 2                        # [m,n] parity of the last j bits
+        j = np.minimum(np.arange(1, self.steps + 1), n)                     # [K]
+        steps[:, :, n + 1] = _bits(self, suffix[:, j - 1])
+        return steps
+
 
 @dataclass
 class CopyTask(LengthTask):
@@ -157,18 +198,33 @@ class CopyTask(LengthTask):
 
     name = "copy"
 
+    def max_row(self, n: int) -> int:
+        return 2 * n + 3
+
     def check_options(self) -> None:
         check_range("alphabet", self.alphabet, 2, 26)
         check_bool("reverse", self.reverse)
+        if self.scan and self.reverse:
+            raise UserError("option scan: a reversed copy has no one-step scan (each symbol moves its own distance)")
         self.symbols = [chr(ord("a") + i) for i in range(self.alphabet)]
         self.draw_range = self.alphabet
-
-    def max_row(self, n: int) -> int:
-        return 2 * n + 3
 
     def solve(self, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         s = x[:, :n].astype(np.int32) + len(SPECIALS)
         return s, (s[:, ::-1] if self.reverse else s)
+
+    def scan_targets(self, rows: np.ndarray, targets: np.ndarray, n: int) -> np.ndarray:
+        """Loop j: the read position of y_i (n + i) holds the symbol j positions back, x_(n+i−j), for j >= i
+        (IGNORE before: "=" or a blank); <eos> (read at 2n + 1) from loop n on."""
+        K, T = self.steps, self.seq_len
+        steps = np.full((len(rows), K, T), IGNORE, dtype=np.int32)
+        for j in range(1, K + 1):
+            if j >= n:
+                steps[:, j - 1] = targets
+                continue
+            i = np.arange(1, j + 1)                                          # answer tokens reached by loop j
+            steps[:, j - 1, n + i] = rows[:, n + i - j]
+        return steps
 
 
 @dataclass
