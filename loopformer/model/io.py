@@ -284,6 +284,16 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | 
                             f"damaged; refusing to use it")
 
 
+def check_init_from(path: str | os.PathLike, cfg: ModelConfig) -> Path:
+    """The checkpoint folder of `path` (a run folder or a checkpoint) for a run that starts from its weights
+    (`train.init_from`), checked before anything is written: it must be a loopformer checkpoint whose weights have
+    the shapes of the model `cfg` builds. Its other settings (loops, timestep handling past r, …) may differ."""
+    p = resolve_checkpoint(path)
+    read_config(p)
+    check_shapes(cfg, p / WEIGHTS)
+    return p
+
+
 def has_training_state(path: str | os.PathLike) -> bool:
     """Whether the checkpoint folder `path` holds a training state (what `--resume` needs)."""
     return (Path(path) / STATE).is_file()

@@ -122,6 +122,9 @@ class TrainConfig:
     keep_best: bool = False           # keep the weights that score best on the validation split (task.n_val) at the
                                       # periodic evaluations (eval_every) and the end, and finish with them
                                       # (loopformer.train.selection; results.json "keep_best")
+    init_from: str = ""               # a run (or checkpoint) folder whose weights start this run: fine-tuning, e.g.
+                                      # a hold trained after the task (docs/stability.md); the optimiser, schedule
+                                      # and steps start afresh, the model's shapes must match; "" = random init
     keep_best_depth: str = "r"        # what keep_best scores: "r", the metric at r | "trained", the worst of the
                                       # metric at r..R, R the deepest loop count the run draws (loops_hold,
                                       # loops_sample): weights that hold the answer over the loops they train

@@ -44,7 +44,7 @@ from loopformer.eval.lengths import plan_lengths
 from loopformer.eval.run import check_eval_config, evaluate_all
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, state_grad_norms, summarize_settle
 from loopformer.model.fixedpoint import solve_record
-from loopformer.model.io import load_training_state, load_weights, save_checkpoint
+from loopformer.model.io import check_init_from, load_training_state, load_weights, save_checkpoint
 from loopformer.model.lengths import LoopRule, check_covers, jitter
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
 from loopformer.model.memory import check_fits, estimate
@@ -275,6 +275,8 @@ class Trainer:
         self.run_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.run_dir / run.CKPT_DIR
         self.resume = resume
+        # train.init_from: the weights this run starts from, checked before the run folder is touched
+        self.init_from = check_init_from(tc.init_from, cfg.model) if tc.init_from and not resume else None
         if d.main:
             run.prepare(self.run_dir, resume, overwrite)
         barrier(d)
@@ -305,6 +307,8 @@ class Trainer:
                        "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
                                         "or set model.checkpoint=true")
         self.model = LoopedTransformer(cfg.model).to(d.device)
+        if self.init_from is not None:          # fine-tuning: these weights, a fresh optimiser and schedule
+            load_weights(self.model, self.init_from, d.device)
         if d.sharded:                            # before the optimiser: sharding replaces the parameters
             shard_model(self.model, d.device, precision_for(cfg, d.device))
         self.optimizer = make_optimizer(self.model, tc)
@@ -480,7 +484,8 @@ class Trainer:
                     "versions": run.package_versions(), "command": sys.argv, "world_size": d.world,
                     "device": str(d.device), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "resumed_from_step": self.start if self.resume else None, "total_steps": self.total,
-                    "params": unwrap(self.model).num_params(), "curriculum_reaches_loops_at": reach}
+                    "params": unwrap(self.model).num_params(), "curriculum_reaches_loops_at": reach,
+                    "init_from": None if self.init_from is None else str(self.init_from.resolve())}
             run.write_start(self.run_dir, cfg, info)
             if reach is not None and reach >= self.total and not self.resume:
                 print(f"loopformer: warning: the loop curriculum reaches model.loops = {cfg.model.loops} at step "
