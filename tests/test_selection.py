@@ -37,6 +37,15 @@ def test_the_keeper_keeps_the_first_best_score():
         low.offer(m, score, step)
     assert (low.step, low.score) == (2, 1.0)
     assert k.restore(m) and bool((m.weight == 3).all()) and not BestKeeper().restore(m)
+    held = BestKeeper(higher_is_better=True)                         # equal scores: the tie-break decides
+    for step, (score, tie) in enumerate([(0.0, 0.2), (0.0, 0.9), (0.0, 0.9), (0.0, 0.5), (0.1, 0.0)], start=1):
+        held.offer(m, score, step, tie=tie)
+        if step == 4:
+            assert (held.step, held.tie) == (2, 0.9)
+    assert (held.step, held.score, held.tie) == (5, 0.1, 0.0)
+    again = BestKeeper()
+    again.score, again.step, again.tie = held.state_dict()["score"], 0, held.state_dict()["tie"]
+    assert not again.better(0.1, 0.0) and again.better(0.1, 0.5)
 
 
 def test_the_run_finishes_with_the_best_validation_weights(tmp_path, monkeypatch):
@@ -118,7 +127,7 @@ def test_keep_best_depth_trained_scores_the_held_loops(tmp_path):
     val = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in val if r.get("split") == "val"]
     assert [r["held_to"] for r in val] == [4] * 5 and all(r["held"] <= r["accuracy"] for r in val)
-    best = max(val, key=lambda r: (r["held"], -r["step"]))
+    best = max(val, key=lambda r: (r["held"], r["accuracy"], -r["step"]))   # ties: the metric at r, then the first
     assert res["keep_best"]["step"] == best["step"] and res["keep_best"]["val"] == best["held"]
     again = evaluate_all(load(tmp_path / "r"), make_data(cfg.task).validation(),
                          replace(cfg.eval, max_loops=4), extras=False)

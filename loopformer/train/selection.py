@@ -8,7 +8,8 @@ basin (docs/stability.md: training accuracy 99.97 % at step 2,800, chance from s
 the earlier). With `train.keep_best_depth=trained` the score is the worst of that metric over loops r..R, R the
 deepest loop count the run draws past r (`train.loops_hold`, `train.loops_sample`): the weights kept are those that
 hold the answer over every loop count they were trained on, not the ones right at r that drift by R (a run that
-learns the task first and the hold later would otherwise keep its weights from before the hold). At the end the
+learns the task first and the hold later would otherwise keep its weights from before the hold); equal scores —
+weights that hold equally, or not at all — are told apart by the metric at r. At the end the
 model takes the kept weights before its final evaluation and checkpoint, so results.json, `eval` and `generate` see
 the selected model; results.json's "keep_best" records the step it came from, its validation score, and the last
 step's test metrics beside it. The test split never chooses.
@@ -43,22 +44,28 @@ class BestKeeper:
     def __init__(self, higher_is_better: bool = True):
         self.higher = higher_is_better
         self.score: float | None = None
+        self.tie: float | None = None          # the score's tie-break (keep_best_depth=trained: the metric at r)
         self.step: int | None = None
         self.weights: dict[str, torch.Tensor] | None = None
 
-    def better(self, score: float) -> bool:
-        """Whether `score` beats the best so far (a NaN never does; the first finite score always does)."""
+    def better(self, score: float, tie: float | None = None) -> bool:
+        """Whether `score` beats the best so far (a NaN never does; the first finite score always does); an equal
+        score wins on a better `tie` when both have one."""
         if score != score:                                    # NaN
             return False
         if self.score is None:
             return True
+        if score == self.score and tie is not None and self.tie is not None and tie == tie:
+            return tie > self.tie if self.higher else tie < self.tie
         return score > self.score if self.higher else score < self.score
 
-    def offer(self, model: torch.nn.Module, score: float, step: int) -> bool:
-        """Keep `model`'s weights if `score` (at `step`) is the best so far; returns whether they were kept."""
-        if not self.better(score):
+    def offer(self, model: torch.nn.Module, score: float, step: int, tie: float | None = None) -> bool:
+        """Keep `model`'s weights if `score` (at `step`; ties broken by `tie`) is the best so far; returns whether
+        they were kept."""
+        if not self.better(score, tie):
             return False
         self.score, self.step = float(score), int(step)
+        self.tie = None if tie is None else float(tie)
         self.weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         return True
 
@@ -71,7 +78,7 @@ class BestKeeper:
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        return {"score": self.score, "step": self.step}
+        return {"score": self.score, "step": self.step, "tie": self.tie}
 
     def save(self, folder: Path) -> None:
         """The kept weights into `folder` (a checkpoint being written); nothing when none are kept."""
@@ -83,6 +90,7 @@ class BestKeeper:
         if not state or state.get("score") is None:
             return
         self.score, self.step = float(state["score"]), int(state["step"])
+        self.tie = None if state.get("tie") is None else float(state["tie"])
         self.weights = load_file(str(Path(folder) / BEST_WEIGHTS))
 
 

@@ -723,8 +723,9 @@ class Trainer:
             if deep else self.cfg.eval
         res = evaluate_all(model, self.val_data, ecfg, loopwise=deep, extras=False, device=self.d.device,
                            autocast=self.autocast)
-        score = held_score(res) if deep else float(res["metrics"][metric])
-        kept = self.keeper.offer(unwrap(model), score, step)
+        at_r = float(res["metrics"][metric])
+        score = held_score(res) if deep else at_r
+        kept = self.keeper.offer(unwrap(model), score, step, tie=at_r if deep else None)
         self.log.write({"split": "val", "step": step, "loops": res["loops"], **res["metrics"],
                         **({"held": score, "held_to": res["max_loops"]} if deep else {}), "kept": kept})
 
