@@ -81,6 +81,7 @@ SCREENS=(
   "noise-long-skip20-best-hold:model.state_noise=0.05 train.steps=6000 train.ema_decay=0.995 train.skip_spikes=20 train.keep_best=true train.keep_best_depth=trained task.n_val=500 train.eval_every=250 train.loops_hold=2 train.loops_sample_from=4000 model.timestep_past=hold"
   "noise-skip20-best-hold-long:model.state_noise=0.05 train.skip_spikes=20 train.keep_best=true train.keep_best_depth=trained task.n_val=500 train.eval_every=250 train.steps=6000 train.loops_hold=2 train.loops_sample_from=3000 model.timestep_past=hold"
   "hold-ft:model.state_noise=0.05 train.skip_spikes=20 train.keep_best=true train.keep_best_depth=trained task.n_val=500 train.eval_every=250 train.steps=2000 train.lr=5e-4 train.loops_hold=2 model.timestep_past=hold"
+  "hold-ft-4:model.state_noise=0.05 train.skip_spikes=20 train.keep_best=true train.keep_best_depth=trained task.n_val=500 train.eval_every=250 train.steps=2000 train.lr=5e-4 train.loops_hold=4 model.timestep_past=hold"
   "fixed-point-mode:model.solver=anderson model.solver_backward=phantom:4 task.loop_targets=false train.loss_loops=last train.loops_start=0"
   "noise-long-lr1e-3:model.state_noise=0.05 train.steps=4000 train.lr=1e-3 train.ema_decay=0.995"
 )
