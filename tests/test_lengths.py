@@ -468,8 +468,12 @@ def test_at_length_refuses_tasks_without_a_length():
     parity = make_data(TaskConfig(name="parity", options={"length": 8, "min_length": 1}, n_train=8, n_test=8,
                                   n_val=4, length_start=2))
     other, cfg = parity.at_length(20, 10)
-    assert (other.test["size"] == 20).all() and cfg.options == {"length": 20, "min_length": 0}
+    assert (other.test["size"] == 20).all() and cfg.options == {"length": 20, "min_length": 0, "scan": False}
     assert cfg.n_val == 0 and cfg.length_start == 0 and len(other.test["inputs"]) == 10
+    scanned = make_data(TaskConfig(name="copy", options={"length": 6, "min_length": 1, "scan": True}, n_train=8,
+                                   n_test=8, loop_targets=True))
+    other, cfg = scanned.at_length(12, 4)
+    assert cfg.options["scan"] is False and "step_targets" not in other.test and not cfg.loop_targets
 
 
 # ------------------------------------------------------------------------------------------------- full output
