@@ -77,6 +77,7 @@ SCREENS=(
   "prefix-slow-hold:train.loops_start=4 train.loops_every=200 train.loops_increment=2 train.curriculum_targets=prefix train.loops_hold=2 train.steps=4000 model.timestep_past=clamp"
   "prefix-noise-hold:train.loops_start=4 train.loops_every=200 train.loops_increment=2 train.curriculum_targets=prefix model.state_noise=0.05 train.skip_spikes=20 train.ema_decay=0.995 train.loops_hold=2 train.steps=4000 model.timestep_past=clamp"
   "noise-skip20-best-3k:model.state_noise=0.05 train.skip_spikes=20 train.keep_best=true task.n_val=500 train.eval_every=250 train.steps=3000"
+  "noise-skip20-best-4k:model.state_noise=0.05 train.skip_spikes=20 train.keep_best=true task.n_val=500 train.eval_every=250 train.steps=4000"
   "noise-skip20-best-hold:model.state_noise=0.05 train.skip_spikes=20 train.keep_best=true train.keep_best_depth=trained task.n_val=500 train.eval_every=250 train.steps=4500 train.loops_hold=2 train.loops_sample_from=3000 model.timestep_past=hold"
   "noise-long-skip20-best-hold:model.state_noise=0.05 train.steps=6000 train.ema_decay=0.995 train.skip_spikes=20 train.keep_best=true train.keep_best_depth=trained task.n_val=500 train.eval_every=250 train.loops_hold=2 train.loops_sample_from=4000 model.timestep_past=hold"
   "noise-skip20-best-hold-long:model.state_noise=0.05 train.skip_spikes=20 train.keep_best=true train.keep_best_depth=trained task.n_val=500 train.eval_every=250 train.steps=6000 train.loops_hold=2 train.loops_sample_from=3000 model.timestep_past=hold"
