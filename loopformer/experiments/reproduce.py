@@ -54,7 +54,7 @@ from loopformer.model.flops import format_flops, forward_flops, layer_applicatio
 from loopformer.sources import source_class
 from loopformer.train.config import load_run_config
 from loopformer.train.optim import steps_for
-from loopformer.train.run import CONFIG_FILE, git_commit, read_results
+from loopformer.train.run import git_commit, read_results, stored_config
 
 SECONDS_PER_UNIT = 1.2e-10   # one thread of a 2-core machine: a demo run (LCS-6, r = 8, 3,000 steps) took 144 s
 GPU_UNITS_PER_S = 1.0e14     # assumed sustained rate on one modern GPU (bf16), for --scale paper estimates
@@ -521,7 +521,7 @@ def check_stale(runs: list[PlannedRun], out: Path, stale: str, progress: bool, c
     """`resolve_stale` on the planned runs not in `checked` (each run folder is compared once), then adds them."""
     new = [r for r in runs if r.spec.out_dir not in checked]
     resolve_stale([(r.spec.out_dir, load_run_config(r.spec.config, [*r.spec.overrides, f"out_dir={r.spec.out_dir}"]))
-                   for r in new if (r.spec.out_dir / CONFIG_FILE).is_file()], out, stale, progress, "reproduce")
+                   for r in new if stored_config(r.spec.out_dir).is_file()], out, stale, progress, "reproduce")
     checked.update(r.spec.out_dir for r in new)
 
 

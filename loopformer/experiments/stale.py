@@ -30,7 +30,7 @@ from typing import Any
 from loopformer.configio import to_dict
 from loopformer.errors import UserError
 from loopformer.train.config import RunConfig, load_run_config
-from loopformer.train.run import CONFIG_FILE, RunLock
+from loopformer.train.run import CONFIG_FILE, RunLock, stored_config
 
 POLICIES = ("stop", "retrain", "keep")
 STALE_DIR = ".stale"                 # under a sweep's or reproduction's folder: the stale runs moved aside
@@ -75,7 +75,7 @@ def config_changes(run_dir: str | os.PathLike, cfg: RunConfig) -> list[tuple[str
     """[(key, the run's value, the value asked for now)] for every compared key where the run folder's
     `config.yaml` and `cfg` differ (in key order); None when the folder holds no config.yaml. A config.yaml that no
     longer loads (a key this version does not know) is one change, ("config.yaml", the error, "loads")."""
-    f = Path(run_dir) / CONFIG_FILE
+    f = stored_config(run_dir)
     if not f.is_file():
         return None
     try:

@@ -36,8 +36,8 @@ from loopformer.fileio import open_nofollow
 from loopformer.sources import source_class
 from loopformer.train.config import RunConfig, load_run_config
 from loopformer.train.optim import steps_for
-from loopformer.train.run import CONFIG_FILE, load_for_resume, read_metrics, resumable
-from loopformer.train.trainer import train
+from loopformer.train.run import continuable, load_for_resume, read_metrics, stored_config
+from loopformer.train.stages import train_run
 
 RUNS = "runs"
 MAX_RUNS = 10_000    # the most runs one sweep's grid may hold (checked before any run is listed)
@@ -139,7 +139,7 @@ def _state(spec: RunSpec) -> tuple[int, bool]:
 def _command(config: str | None, spec: RunSpec, overrides: list[str], threads: int) -> list[str]:
     cmd = [sys.executable, "-m", "loopformer.cli", "train"]
     extra = [f"threads={threads}"] if threads else []
-    if resumable(spec.out_dir):
+    if continuable(spec.out_dir):
         return cmd + extra + ["--resume", str(spec.out_dir), "--quiet"]
     if spec.config or config:
         cmd.append(str(spec.config or config))
@@ -148,14 +148,14 @@ def _command(config: str | None, spec: RunSpec, overrides: list[str], threads: i
 
 def _run_inprocess(config: str | None, spec: RunSpec, overrides: list[str], threads: int,
                    progress: bool) -> None:
-    resume = resumable(spec.out_dir)
+    resume = continuable(spec.out_dir)
     if resume:
         cfg = load_for_resume(spec.out_dir, [f"threads={threads}"] if threads else [])
     else:
         extra = [f"threads={threads}"] if threads else []
         cfg = load_run_config(spec.config or config, [*overrides, *spec.overrides, f"out_dir={spec.out_dir}",
                                                       f"name={spec.name}", *extra])
-    train(cfg, resume=resume, progress=progress)
+    train_run(cfg, resume=resume, progress=progress)
 
 
 def _die_with_parent() -> None:
@@ -194,7 +194,7 @@ def run_specs(specs: list[RunSpec], config: str | None = None, overrides: list[s
     overrides = list(overrides)
     if stale is not None:
         resolve_stale([(s.out_dir, _config_of(config, s, overrides)) for s in specs
-                       if (s.out_dir / CONFIG_FILE).is_file()], out, stale, progress, desc)
+                       if stored_config(s.out_dir).is_file()], out, stale, progress, desc)
     out.mkdir(parents=True, exist_ok=True)
     todo = [s for s in specs if not _done(s)]
     if progress and len(todo) < len(specs):

@@ -94,6 +94,9 @@ class ModelConfig:
     sandwich_norm: bool = False       # an RMSNorm on each branch's output too (norms on both sides of the branch)
     grad_window: int | None = None    # training: the carried state is detached every grad_window loops, so each
                                       # loop's loss backpropagates through at most that many loops (null: all)
+    forget_gate: bool = False         # a learned forget gate on the carried state (loopformer.model.gating):
+                                      # h_{t+1} = f ⊙ h_t + (TF(h_t + e) − h_t), f = σ(w ⊙ RMSN(TF(·)) + b) in (0, 1)
+    forget_gate_bias: float = 4.0     # b's start (w starts at 0): f = σ(4) ≈ 0.98, near the plain loop
     # the fixed-point mode (loopformer.model.fixedpoint; docs/stability.md): solve h* = TF(h* + e, r − 1)
     solver: str = "unroll"            # "unroll" (the loop as written) | "anderson" | "broyden" (needs input_injection)
     solver_tol: float = 1e-3          # stop when every row's ‖F(h) − h‖ / ‖F(h)‖ is at most this (0: max iterations)

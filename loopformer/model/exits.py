@@ -23,6 +23,7 @@ import torch
 from loopformer.errors import UserError
 from loopformer.model.cache import KVCache, RunningKV
 from loopformer.model.fixedpoint import require_unroll
+from loopformer.model.gating import update
 from loopformer.model.halting import HaltRule, criterion_holds, stops, update_streak
 from loopformer.model.options import LoopOptions, LoopOutput
 
@@ -129,6 +130,7 @@ def _loop(model: torch.nn.Module, rule: HaltRule, rows: Running, mods, cache: KV
     inp = rows.h + rows.e if (t > 0 and cfg.input_injection) else rows.h
     rows.kv = RunningKV(cache, rows.run, going, len(model.blocks), all_going) if cache is not None else None
     h_new = model._block(inp, None if mods is None else mods[t], rows.mask, rows.kv, t, rope=rows.rope)
+    h_new = update(model.forget, rows.h, h_new)      # the forget gate (`loopformer.model.gating`; off: h_new)
     if not all_going:                                # stopped tokens keep their state
         h_new = torch.where(going[..., None], h_new, rows.h)
     logits = model.head(model.norm_f(h_new), None if attn_mask is None else attn_mask[rows.run]) \

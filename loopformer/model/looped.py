@@ -38,6 +38,7 @@ from loopformer.model.cache import DepthwiseKV, KVCache
 from loopformer.model.config import ModelConfig
 from loopformer.model.exits import halting_forward
 from loopformer.model.fixedpoint import fixed_point, require_unroll
+from loopformer.model.gating import ForgetGate, update
 from loopformer.model.halting import ExitGate, HaltRule
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import (
@@ -74,6 +75,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         self.norm_f = RMSNorm(cfg.d_model, True, cfg.norm_eps) if cfg.final_norm else nn.Identity()
         self.head = Head(cfg)                                                       # L2
         self.exit_gate = ExitGate(cfg.d_model, eps=cfg.norm_eps) if cfg.exit_gate else None   # stop logits
+        self.forget = ForgetGate(cfg.d_model, cfg.forget_gate_bias, cfg.norm_eps) if cfg.forget_gate else None
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.head.proj.weight = self.embed.tok.weight
@@ -90,7 +92,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         is exactly the untrained looped model of that seed (paired comparisons).
         """
         std = self.config.init_std
-        named = [(n, p) for n, p in self.named_parameters() if not n.startswith("exit_gate.")]  # drawn: none
+        named = [(n, p) for n, p in self.named_parameters()
+                 if not n.startswith(("exit_gate.", "forget."))]                     # the gates draw nothing
         for name, p in [*((n, p) for n, p in named if not is_timestep_param(n)),
                         *((n, p) for n, p in named if is_timestep_param(n))]:
             if name.endswith("bias"):
@@ -112,6 +115,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                     out.reset_parameters()   # LayerScale's small start (the loop above set every vector to 1)
         if self.exit_gate is not None:
             self.exit_gate.reset_parameters()
+        if self.forget is not None:
+            self.forget.reset_parameters()
 
     # ------------------------------------------------------------------ helpers
     def num_params(self, exclude_positions: bool = False) -> int:
@@ -210,10 +215,10 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
         use_ckpt = cfg.checkpoint and grad and cache is None
         sparse = opts.read_only and opts.read_at is not None and cache is None and rows is None \
-            and cfg.dropout == 0 and (mods is None or mods.dim() == 4)                 # the last loop at read_at
+            and cfg.dropout == 0 and (mods is None or mods.dim() == 4) and self.forget is None   # last loop: read_at
         h0 = start_state(e, cfg, self.training) if opts.state is None else opts.state  # None: start from e itself
         h, states = (e if h0 is None else h0), []
-        for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) ----
+        for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) (gated: - (1-f) h) ----
             h = h_prev = cut(h, cfg, t, grad and self.training)   # a gradient window starts (`grad_window`)
             if (t > 0 or h0 is not None) and cfg.input_injection:
                 h = h + e
@@ -224,6 +229,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                     h = checkpoint(self._block, h, mods_t, mask, None, t, at, run.rope, use_reentrant=False)
                 else:
                     h = self._block(h, mods_t, mask, cache, t, at, run.rope)
+            h = update(self.forget, h_prev, h)      # the forget gate (`loopformer.model.gating`; off: h itself)
             h = perturb(h, cfg, self.training)      # state noise (training only; `loopformer.model.stability`)
             if rows is not None:                     # rows past their own loop count keep their state
                 h = torch.where((rows > t)[:, None, None], h, h_prev)
@@ -257,6 +263,9 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         real columns up to cols_i; W = the widest row's cols_i + 1); pos: [B] the tokens' positions for rotary
         encoding (default cols; left-padded rows count from their first real token). Returns the hidden states after
         the loop [B,1,D]."""
+        if self.forget is not None:
+            raise UserError("depth-wise batched generation carries the block's inputs, not the state a forget gate "
+                            "scales: use the step schedule (schedule=step) with model.forget_gate")
         mods = self.prepare_rows(cache)                                                # [R,k·4,1,D] | None
         if mods is not None:
             m = mods.index_select(0, t).unbind(1)                                      # k·4 × [B,1,D]

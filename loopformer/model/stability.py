@@ -129,6 +129,11 @@ def check(cfg) -> None:
             raise ValueError(f"{name} must lie in [0, 100] (got {v})")
     if not (math.isfinite(cfg.layerscale_init) and 0 < cfg.layerscale_init <= 10):
         raise ValueError(f"layerscale_init must lie in (0, 10] (got {cfg.layerscale_init})")
+    if cfg.forget_gate:
+        if cfg.solver != "unroll":
+            raise ValueError("forget_gate gates the unrolled loop's state (solver=unroll)")
+        if not (math.isfinite(cfg.forget_gate_bias) and abs(cfg.forget_gate_bias) <= 20):
+            raise ValueError(f"forget_gate_bias must lie in [-20, 20] (got {cfg.forget_gate_bias})")
     if cfg.grad_window is not None and cfg.solver != "unroll":
         raise ValueError("grad_window applies to the unrolled loop (solver=unroll); the fixed-point mode's "
                          "gradient is set by solver_backward")

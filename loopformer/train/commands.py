@@ -9,7 +9,7 @@ from loopformer.errors import UserError
 from loopformer.eval.evaluate import format_results
 from loopformer.train.config import load_run_config
 from loopformer.train.run import load_for_resume
-from loopformer.train.trainer import train
+from loopformer.train.stages import train_run
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -24,7 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_for_resume(args.resume, overrides)
     else:
         cfg = load_run_config(config, overrides)
-    results = train(cfg, resume=args.resume is not None, progress=False if args.quiet else None,
+    results = train_run(cfg, resume=args.resume is not None, progress=False if args.quiet else None,
                     overwrite=args.overwrite)
     if results is not None:
         summary = format_results(results["metric"], results["test"], results.get("loopwise", []), results["loops"])

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -219,6 +221,15 @@ class LogConfig:
 
 
 @dataclass
+class StageConfig:
+    """One stage of a staged run (`RunConfig.stages`): the run's config with `set` on top; every stage after the
+    first starts from the previous one's weights (`train.init_from`)."""
+    name: str = ""                    # a label: the stage's folder is stages/<k>-<name> (k from 1)
+    set: dict[str, Any] = field(default_factory=dict)  # dotted keys and values over the run's config, e.g.
+                                      # {train.lr: 5.0e-4, train.loops_hold: 4}
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     out_dir: str = "runs/run"         # the run folder (config, metrics, checkpoint, results)
@@ -232,6 +243,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=1000))
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    stages: list[StageConfig] = field(default_factory=list)  # a staged run (loopformer.train.stages): each
+                                      # stage trains from the previous one's weights; stages before the last in
+                                      # out_dir/stages/, the last in out_dir itself (empty: one run)
 
     def __post_init__(self) -> None:
         _need(0 <= self.seed < 2 ** 63, f"seed must be in [0, 2^63) (got {self.seed})")
@@ -239,6 +253,7 @@ class RunConfig:
         _need(self.threads >= 0, "threads must be >= 0")
         _need(self.log.dynamics_every >= 0, f"log.dynamics_every must be >= 0 (got {self.log.dynamics_every})")
         _need(bool(self.out_dir), "out_dir must be set")
+        _check_stages(self.stages)
         tr, m = self.train, self.model
         cap, ev = loop_cap(m.total_loops), self.eval     # the most loops the model may be evaluated with
         _need(ev.loops <= cap and ev.max_loops <= cap, f"eval: need loops and max_loops <= {cap} (got "
@@ -290,6 +305,25 @@ class RunConfig:
             raise ValueError("train.consistency and train.fixed_point need model.supervision_steps = 1")
         if tr.loss_loops == "window":
             _need(tr.loss_window <= m.loops, f"train.loss_window={tr.loss_window} exceeds model.loops={m.loops}")
+
+
+STAGE_FIXED = ("stages", "out_dir")     # what a stage may not set: the runner places its folder
+
+
+def _check_stages(stages: list[StageConfig]) -> None:
+    names = [s.name for s in stages]
+    for k, st in enumerate(stages, 1):
+        _need(re.fullmatch(r"[A-Za-z0-9_.-]*", st.name) is not None and st.name not in (".", ".."),
+              f"stages[{k}].name must be letters, digits, '_', '.' or '-' (got {st.name!r})")
+        for key in st.set:
+            _need(isinstance(key, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", key) is not None,
+                  f"stages[{k}].set: {key!r} is not a dotted config key (e.g. train.lr)")
+            _need(key.split(".")[0] not in STAGE_FIXED,
+                  f"stages[{k}].set: {key} is set by the staged run itself (each stage's folder)")
+            _need(not (k > 1 and key == "train.init_from"),
+                  f"stages[{k}].set: train.init_from is the previous stage's folder (only the first stage may set it)")
+    _need(len(set(n for n in names if n)) == len([n for n in names if n]),
+          f"stages: names must differ (got {names})")
 
 
 def _raw_layers(path: str | os.PathLike | None, overrides: Iterable[str]) -> dict:

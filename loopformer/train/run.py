@@ -39,7 +39,9 @@ from loopformer.train.config import RunConfig, load_run_config
 
 CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR, LOCK_FILE = (
     "config.yaml", "run.json", "metrics.jsonl", "results.json", RUN_CHECKPOINT, ".lock")
-RUN_ENTRIES = (CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR, LOCK_FILE, "tb")   # what a run writes
+STAGES_FILE, STAGES_DIR = "stages.yaml", "stages"      # a staged run's own config and its earlier stages' folders
+RUN_ENTRIES = (CONFIG_FILE, RUN_FILE, METRICS_FILE, RESULTS_FILE, CKPT_DIR, LOCK_FILE, "tb",
+               STAGES_FILE, STAGES_DIR)                                                      # what a run writes
 
 
 # ------------------------------------------------------------------------------------------------- the lock
@@ -173,20 +175,32 @@ def resumable(run_dir: str | os.PathLike) -> bool:
     return has_training_state(ckpt)
 
 
+def stored_config(run_dir: str | os.PathLike) -> Path:
+    """The config a run folder was started with: a staged run's `stages.yaml` (its `config.yaml`, once written, is
+    the last stage's alone), else `config.yaml` (which may not exist)."""
+    staged = Path(run_dir) / STAGES_FILE
+    return staged if staged.is_file() else Path(run_dir) / CONFIG_FILE
+
+
+def continuable(run_dir: str | os.PathLike) -> bool:
+    """Whether `run_dir` holds a run to go on with: a checkpoint (`resumable`) or a staged run begun there."""
+    return (Path(run_dir) / STAGES_FILE).is_file() or resumable(run_dir)
+
+
 def resolve_resume(path: str | os.PathLike) -> Path:
     """The run folder of `--resume PATH` (PATH may be the run folder or its checkpoint folder)."""
     p = Path(path)
-    if (p / CONFIG_FILE).is_file():
+    if stored_config(p).is_file():
         return p
-    if p.name == CKPT_DIR and (p.parent / CONFIG_FILE).is_file():
+    if p.name == CKPT_DIR and stored_config(p.parent).is_file():
         return p.parent
     raise UserError(f"cannot resume from {p}: no {CONFIG_FILE} there (not a loopformer run folder)")
 
 
 def load_for_resume(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
-    """The stored config of a run folder, with `overrides` applied (e.g. a longer `train.steps`)."""
+    """The stored config of a run folder (`stored_config`), with `overrides` applied (e.g. a longer `train.steps`)."""
     run_dir = resolve_resume(path)
-    cfg = load_run_config(run_dir / CONFIG_FILE, list(overrides))
+    cfg = load_run_config(stored_config(run_dir), list(overrides))
     cfg.out_dir = str(run_dir)
     return cfg
 
@@ -304,8 +318,8 @@ class MetricsLog:
             self.wandb.finish()
 
 
-__all__ = ["CONFIG_FILE", "RUN_FILE", "METRICS_FILE", "RESULTS_FILE", "CKPT_DIR", "LOCK_FILE", "RUN_ENTRIES",
-           "RunLock", "foreign_entries", "MetricsLog", "read_results",
-           "read_metrics", "results_done", "resumable", "resolve_resume", "load_for_resume", "prepare",
-           "write_start", "write_results", "git_commit", "package_versions", "config_yaml", "nonfinite_key",
-           "finite_or_none"]
+__all__ = ["CONFIG_FILE", "RUN_FILE", "METRICS_FILE", "RESULTS_FILE", "CKPT_DIR", "LOCK_FILE", "STAGES_FILE",
+           "STAGES_DIR", "RUN_ENTRIES", "RunLock", "foreign_entries", "MetricsLog", "read_results", "read_metrics",
+           "results_done", "resumable", "continuable", "stored_config", "resolve_resume", "load_for_resume",
+           "prepare", "write_start", "write_results", "git_commit", "package_versions", "config_yaml",
+           "nonfinite_key", "finite_or_none"]

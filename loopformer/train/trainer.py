@@ -266,6 +266,8 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, d: Dist, resume: bool, overwrite: bool = False):
         self.cfg, self.d, tc = cfg, d, cfg.train
+        if cfg.stages:
+            raise UserError("a staged config (stages:) runs each stage in turn: loopformer.train.stages.train_run")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.B = tc.batch_size

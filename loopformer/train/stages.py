@@ -1,0 +1,141 @@
+"""Staged runs: one config, several trainings in a row, each starting from the previous one's weights.
+
+A recipe that learns a task first and then something about it — the circuit's TMLT learns the 32 layers, then
+holds the answer past r when fine-tuned on deeper loop counts with its loop index held (docs/stability.md) — is
+one config with `stages:`, each stage the run's config with its `set` on top:
+
+    stages:
+      - {name: learn, set: {train.steps: 3000}}
+      - {name: hold, set: {train.steps: 2000, train.lr: 5.0e-4, train.loops_hold: 4}}
+
+Stage k < n trains in `out_dir/stages/<k>-<name>`, the last in `out_dir` itself, so `eval`, `analyze`, sweeps and
+reproduce read a staged run as any other; stage k > 1 starts from stage k − 1's weights (`train.init_from`: a fresh
+optimiser and schedule). `out_dir/stages.yaml` holds the staged config: `--resume out_dir` (or a sweep re-run) goes
+on from whichever stage was interrupted, finished stages are kept. The last stage's results.json lists every stage's
+steps, time and test metrics under `stages`.
+
+Every stage's config is built and checked before anything is written; a stage sets dotted keys of the run's config
+(not `out_dir` or `stages`; `train.init_from` only in the first). A stage that changes the task keeps the model's
+fields (vocabulary, positions) of the run's config.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loopformer.configio import from_dict, to_dict
+from loopformer.errors import UserError
+from loopformer.fileio import write_text
+from loopformer.train import run
+from loopformer.train.config import RunConfig
+from loopformer.train.trainer import train
+
+
+def stage_folder(cfg: RunConfig, k: int) -> Path:
+    """Where stage k (from 1) of `cfg` trains: out_dir/stages/<k>-<name> before the last, out_dir for the last."""
+    root = Path(cfg.out_dir)
+    if k == len(cfg.stages):
+        return root
+    name = cfg.stages[k - 1].name
+    return root / run.STAGES_DIR / (f"{k}-{name}" if name else str(k))
+
+
+def _put(tree: dict, key: str, value: Any) -> None:
+    """tree[a][b][c] = value for key "a.b.c" (a missing section is created; the strict load below rejects unknown
+    keys)."""
+    *path, leaf = key.split(".")
+    node = tree
+    for part in path:
+        if not isinstance(node.get(part, {}), dict):
+            raise UserError(f"{key}: {part} is not a config section")
+        node = node.setdefault(part, {})
+    node[leaf] = copy.deepcopy(value)
+
+
+def stage_configs(cfg: RunConfig) -> list[RunConfig]:
+    """The run config of every stage of `cfg` (see the module docstring), each loaded strictly: a bad key or value in
+    any stage is a UserError naming the stage, before any stage runs."""
+    if not cfg.stages:
+        raise UserError("not a staged config: it has no stages")
+    base = to_dict(cfg)
+    base["stages"] = []
+    out = []
+    for k, st in enumerate(cfg.stages, 1):
+        label = f"stage {k}" + (f" ({st.name})" if st.name else "")
+        tree = copy.deepcopy(base)
+        try:
+            for key, value in st.set.items():
+                _put(tree, key, value)
+            tree["out_dir"] = str(stage_folder(cfg, k))
+            if k < len(cfg.stages):
+                tree["name"] = f"{cfg.name}-{st.name or k}"
+            if k > 1:
+                tree["train"]["init_from"] = str(stage_folder(cfg, k - 1))
+            out.append(from_dict(RunConfig, tree))
+        except UserError as e:
+            raise UserError(f"{label}: {e}") from None
+    return out
+
+
+def _main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _start(cfg: RunConfig, resume: bool, overwrite: bool) -> None:
+    """Make `out_dir` ready for the staged run (rank 0): refuse a folder that holds a run or other files unless
+    `overwrite` (which deletes only an earlier staged run's stages), then write stages.yaml."""
+    root = Path(cfg.out_dir)
+    marker = root / run.STAGES_FILE
+    if resume:
+        if not marker.is_file():
+            raise UserError(f"cannot resume {root} as a staged run: no {run.STAGES_FILE} there")
+        return
+    if overwrite:
+        if marker.is_file():
+            shutil.rmtree(root / run.STAGES_DIR, ignore_errors=True)
+            marker.unlink()
+        elif (root / run.STAGES_DIR).exists():
+            raise UserError(f"{root / run.STAGES_DIR} was not written by a staged run: choose another out_dir")
+    elif root.is_dir() and any(root.iterdir()):
+        what = "a staged run" if marker.is_file() else "a run or other files"
+        raise UserError(f"{root} already holds {what}: resume it (`loopformer train --resume {root}`), choose "
+                        f"another out_dir or pass --overwrite")
+    root.mkdir(parents=True, exist_ok=True)
+    write_text(marker, run.config_yaml(cfg))
+
+
+def run_stages(cfg: RunConfig, *, resume: bool = False, progress: bool | None = None, overwrite: bool = False,
+               on_step: Callable[[int], None] | None = None) -> dict:
+    """Train every stage of `cfg` in turn (finished ones kept, an interrupted one resumed); returns the last stage's
+    results with a `stages` summary (also in out_dir/results.json)."""
+    cfgs = stage_configs(cfg)                 # every stage checked before anything is written
+    if _main_process():
+        _start(cfg, resume, overwrite)
+    summary, results = [], {}
+    for k, sc in enumerate(cfgs, 1):
+        folder = Path(sc.out_dir)
+        again = run.resumable(folder)          # a finished stage too: train returns its results at once
+        if progress is not False and _main_process():
+            print(f"stage {k}/{len(cfgs)}{f' ({cfg.stages[k - 1].name})' if cfg.stages[k - 1].name else ''}: "
+                  f"{folder}", flush=True)
+        results = train(sc, resume=again, progress=progress, overwrite=not again, on_step=on_step)
+        summary.append({"stage": k, "name": cfg.stages[k - 1].name, "out_dir": str(folder),
+                        "steps": results.get("steps"), "train_time_s": results.get("train_time_s"),
+                        "metric": results.get("metric"), "test": results.get("test")})
+    results = {**results, "stages": summary}
+    if _main_process():
+        results = run.write_results(Path(cfg.out_dir), results)
+    return results
+
+
+def train_run(cfg: RunConfig, **kwargs) -> dict:
+    """`train(cfg)` for one run, `run_stages(cfg)` for a staged one: what `loopformer train` and sweeps call."""
+    return run_stages(cfg, **kwargs) if cfg.stages else train(cfg, **kwargs)
+
+
+__all__ = ["stage_folder", "stage_configs", "run_stages", "train_run"]
