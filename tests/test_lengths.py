@@ -474,6 +474,11 @@ def test_at_length_refuses_tasks_without_a_length():
                                    n_test=8, loop_targets=True))
     other, cfg = scanned.at_length(12, 4)
     assert cfg.options["scan"] is False and "step_targets" not in other.test and not cfg.loop_targets
+    word = make_data(TaskConfig(name="word_problem", options={"group": "S3", "length": 6, "min_length": 1,
+                                                              "causal": True, "scan": "linear"},
+                                n_train=8, n_test=8, loop_targets=True))
+    other, cfg = word.at_length(12, 4)                  # the word problem's scan is a kind, not a switch: kept
+    assert cfg.options["scan"] == "linear" and (other.test["size"] == 12).all() and not cfg.loop_targets
 
 
 # ------------------------------------------------------------------------------------------------- full output
