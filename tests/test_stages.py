@@ -141,3 +141,11 @@ def test_a_staged_run_does_not_write_over_a_folder_in_use(tmp_path, capsys):
     assert sorted(p.name for p in root.iterdir()) == ["notes.txt"]
     with pytest.raises(Exception, match="staged config"):
         train(_staged(tmp_path))                     # the one-run trainer does not run stages silently as one
+
+
+def test_overwrite_replaces_an_earlier_run_in_out_dir(tmp_path):
+    root = tmp_path / "run"
+    train(load_run_config(None, [*BASE, "train.steps=5", f"out_dir={root}"]))          # an earlier one-stage run
+    res = run_stages(_staged(tmp_path), overwrite=True)
+    assert res["steps"] == 4 and [s["steps"] for s in res["stages"]] == [3, 4]        # not the old run resumed
+    assert json.loads((root / "run.json").read_text())["init_from"].endswith("1-learn/checkpoint")

@@ -101,6 +101,7 @@ def _start(cfg: RunConfig, resume: bool, overwrite: bool) -> None:
             marker.unlink()
         elif (root / run.STAGES_DIR).exists():
             raise UserError(f"{root / run.STAGES_DIR} was not written by a staged run: choose another out_dir")
+        run.prepare(root, resume=False, overwrite=True)   # an earlier run's checkpoint and results: not resumed
     elif root.is_dir() and any(root.iterdir()):
         what = "a staged run" if marker.is_file() else "a run or other files"
         raise UserError(f"{root} already holds {what}: resume it (`loopformer train --resume {root}`), choose "
