@@ -86,6 +86,27 @@ def test_word_problem_linear_scan_holds_its_answer():
     assert np.array_equal(again, answer) and linear_scan(words[:, :1], task.table).shape == (30, 1, 1)
 
 
+def test_word_problem_with_bos_is_the_word_shifted_by_one():
+    """bos: a <bos> first (no target, no states), the rest exactly the word without it, variable lengths too."""
+    for extra in ({}, {"min_length": 2, "causal": True}):
+        plain = get_task("word_problem", group="S3", length=9, **extra)
+        task = get_task("word_problem", group="S3", length=9, bos=True, **extra)
+        assert task.seq_len == 10 and task.vocab.tokens[-1] == "<bos>" and task.vocab_size == plain.vocab_size + 1
+        a, b = plain._draw(np.random.default_rng(5), 40), task._draw(np.random.default_rng(5), 40)  # same words
+        assert (b["inputs"][:, 0] == task.vocab_size - 1).all() and (b["targets"][:, 0] < 0).all()
+        assert (b["step_targets"][:, :, 0] < 0).all()
+        assert np.array_equal(b["inputs"][:, 1:], a["inputs"]) and np.array_equal(b["targets"][:, 1:], a["targets"])
+        assert np.array_equal(b["step_targets"][:, :, 1:], a["step_targets"]) and np.array_equal(b["size"], a["size"])
+        pred = b["targets"].copy()
+        rows = np.arange(40)
+        pred[rows, b["size"]] = pred[rows, b["size"]] % task.order + 1          # each word's last product wrong
+        m = task.metrics(np.where(pred < 0, 0, pred), b)
+        assert m["accuracy"] == 0.0 and m["last_accuracy"] == 0.0
+        assert task.decode_row(b, 0) == plain.decode_row(a, 0)
+        test, train = task.generate(60, seed=1, split="test"), task.generate(60, seed=1, split="train")
+        assert not {r.tobytes() for r in test["inputs"]} & {r.tobytes() for r in train["inputs"]}
+
+
 def test_word_problem_metrics_and_non_solvable_flag():
     task = get_task("word_problem", group="A5", length=8)
     b = task.generate(100, seed=1)

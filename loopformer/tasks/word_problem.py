@@ -17,7 +17,12 @@ Intermediate states (per-loop targets, `task.loop_targets`), option `scan`:
               j: what timestep encoding offers)
 
 Layout (bidirectional, T = n):  inputs g_1 … g_n,  targets p_1 … p_n.  Splits are disjoint by a hash of the
-input row.
+input row. With `bos` (T = n + 1): inputs <bos> g_1 … g_n, targets (none) p_1 … p_n, the intermediate states
+shifted alike. A position's attention mixes its keys' values, so without absolute positions (rotary, or none) and
+with a window, position i whose left neighbour holds the same token (g_{i-1} = g_i) reads exactly what the first
+position reads (itself only): the two cannot be told apart, and a block that learns the first position's rule
+answers g_i instead of g_i·g_i on every such pair (the S3 runs without it: 16.7 % of the second positions wrong,
+all of them pairs a, a). The <bos> gives the first element a left neighbour of its own.
 
 Variable lengths (length generalisation, `min_length` > 0): every row draws its length m from min_length..length
 (`size` [N]) and is padded at the end (pads: target IGNORE, intermediate states IGNORE). The prefix products of a
@@ -123,6 +128,7 @@ class WordProblemTask(TokenTask):
                               # (Hillis–Steele, ⌈log2 n⌉ levels: the shift 2^j changes with the step)
     min_length: int = 0       # > 0: every row draws its length from min_length..length (padded at the end)
     causal: bool = False      # read under a causal mask (prefix products need only the past; pads stay unseen)
+    bos: bool = False         # a <bos> token before the word (the first element's left neighbour; no target)
 
     name = "word_problem"
 
@@ -132,12 +138,13 @@ class WordProblemTask(TokenTask):
         check_range("length", self.length, 1, 4096)
         check_range("min_length", self.min_length, 0, self.length)
         check_bool("causal", self.causal)
+        check_bool("bos", self.bos)
         if self.scan not in SCANS:
             raise UserError(f"option scan must be one of {', '.join(SCANS)}, got {self.scan!r}")
         names, self.table = group_elements(self.group)
         self.order = len(names)
-        self.vocab = Vocab(["<pad>"] + names)
-        self.seq_len = self.length
+        self.vocab = Vocab(["<pad>"] + names + (["<bos>"] if self.bos else []))
+        self.seq_len = self.length + int(self.bos)
         self.states = SCANS[self.scan]
         self.steps = self.states(np.zeros((1, self.length), dtype=np.int64), self.table).shape[1]
 
@@ -154,6 +161,10 @@ class WordProblemTask(TokenTask):
             pad = np.arange(self.length)[None, :] >= size[:, None]                         # [n,T]
             inputs[pad], targets[pad] = self.pad_id, IGNORE
             levels = np.where(pad[:, None, :], IGNORE, levels)
+        if self.bos:          # <bos> first: no target, no intermediate state
+            inputs = np.concatenate([np.full((n, 1), len(self.vocab) - 1, dtype=np.int32), inputs], axis=1)
+            targets = np.concatenate([np.full((n, 1), IGNORE, dtype=np.int32), targets], axis=1)
+            levels = np.concatenate([np.full((n, levels.shape[1], 1), IGNORE, dtype=levels.dtype), levels], axis=2)
         return {"inputs": inputs, "targets": targets, "step_targets": levels.astype(np.int32), "size": size}
 
     def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
@@ -164,13 +175,13 @@ class WordProblemTask(TokenTask):
         prefix products right."""
         pred, targets = np.asarray(pred), np.asarray(batch["targets"])
         rows = np.arange(len(pred))
-        last = np.asarray(batch["size"]) - 1 if "size" in batch else np.full(len(pred), self.length - 1)
+        last = (np.asarray(batch["size"]) if "size" in batch else np.full(len(pred), self.length)) - 1 + int(self.bos)
         return {"accuracy": float(exact_match(pred, targets).mean()) if len(pred) else float("nan"),
                 "last_accuracy": float((pred[rows, last] == targets[rows, last]).mean()) if len(pred) else float("nan"),
                 "token_accuracy": token_accuracy(pred, targets)}
 
     def decode_row(self, batch: dict[str, np.ndarray], i: int) -> str:
-        m = int(batch["size"][i]) if "size" in batch else self.length
-        w = " ".join(self.vocab.decode(batch["inputs"][i][:m]))
-        p = " ".join(self.vocab.decode(batch["targets"][i][:m]))
+        m, b = (int(batch["size"][i]) if "size" in batch else self.length), int(self.bos)
+        w = " ".join(self.vocab.decode(batch["inputs"][i][b:b + m]))
+        p = " ".join(self.vocab.decode(batch["targets"][i][b:b + m]))
         return f"{self.group} word {w}  -> prefix products {p}"
