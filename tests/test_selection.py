@@ -145,3 +145,21 @@ def test_keep_best_depth_refusals(tmp_path, capsys, add, needle):
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
     assert not (tmp_path / "r" / "checkpoint").exists()
+
+
+def test_a_fine_tuning_run_scores_its_starting_weights(tmp_path):
+    """With train.init_from the starting weights are scored as step 0: a fine-tuning run that never does better (here
+    a learning rate of 1e-12: every score equal, the first kept) finishes with exactly the weights it started from."""
+    src = tmp_path / "src"
+    train(load_run_config(None, [*TINY, "train.steps=4", "log.dynamics=false", "eval.drift=false",
+                                 f"out_dir={src}"]))
+    res = train(load_run_config(None, [*KEEP, f"train.init_from={src}", "train.lr=1e-12", "train.warmup_steps=0",
+                                       f"out_dir={tmp_path / 'ft'}"]))
+    val = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in val if r.get("split") == "val"]
+    assert [r["step"] for r in val] == [0, 1, 2, 3, 4, 5] and res["keep_best"]["step"] == 0
+    a, b = load_file(str(src / "checkpoint" / "model.safetensors")), \
+        load_file(str(tmp_path / "ft" / "checkpoint" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    scratch = train(load_run_config(None, [*KEEP, f"out_dir={tmp_path / 'new'}"]))   # no source: no step 0
+    assert scratch["keep_best"]["step"] >= 1

@@ -235,6 +235,8 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None
         t.open_log(progress)
         t.wrap()
         tc = cfg.train
+        if t.start == 0:
+            t.score_start()                      # a fine-tuning run's starting weights compete for keep_best
         for step in range(t.start, t.total):
             t.step(step)
             done = step + 1
@@ -730,6 +732,15 @@ class Trainer:
         kept = self.keeper.offer(unwrap(model), score, step, tie=at_r if deep else None)
         self.log.write({"split": "val", "step": step, "loops": res["loops"], **res["metrics"],
                         **({"held": score, "held_to": res["max_loops"]} if deep else {}), "kept": kept})
+
+    def score_start(self) -> None:
+        """train.keep_best with train.init_from (rank 0): the starting weights are scored as step 0, so a fine-tuning
+        run that never does better on the validation split finishes with the weights it started from."""
+        if self.keeper is None or not self.cfg.train.init_from or not self.d.main:
+            return
+        model = unwrap(self.model)
+        with eager(model):
+            self.score_validation(model, 0)
 
     def select(self, step: int) -> None:
         """train.keep_best at the end (rank 0): score the last weights too, and when earlier ones scored better,
