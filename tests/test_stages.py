@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from test_train import TINY
 
 from loopformer.cli import main
+from loopformer.experiments.report import find_runs
 from loopformer.experiments.sweep import parse_grid, run_sweep
 from loopformer.train.config import load_run_config
 from loopformer.train.stages import run_stages, stage_configs, train_run
@@ -108,6 +109,8 @@ def test_sweeps_run_and_skip_staged_configs(tmp_path):
     specs = run_sweep(str(cfg), parse_grid(["seed=0,1"]), [], out, BASE, progress=False)
     assert all(json.loads((s.out_dir / "results.json").read_text())["stages"][0]["steps"] == 2 for s in specs)
     assert all((s.out_dir / "stages" / "1").is_dir() for s in specs)
+    runs = find_runs(out)                               # each staged run once, by its last stage
+    assert sorted(r["_dir"] for r in runs) == sorted(str(s.out_dir) for s in specs)
     stamps = [(s.out_dir / "results.json").stat().st_mtime_ns for s in specs]
     run_sweep(str(cfg), parse_grid(["seed=0,1"]), [], out, BASE, progress=False)     # finished: skipped
     assert stamps == [(s.out_dir / "results.json").stat().st_mtime_ns for s in specs]

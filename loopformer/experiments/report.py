@@ -39,11 +39,19 @@ from loopformer.eval.config import EvalConfig
 from loopformer.eval.evaluate import check_eval_args
 from loopformer.experiments.stale import moved_aside
 from loopformer.fileio import write_figure, write_text
+from loopformer.train.run import STAGES_DIR, STAGES_FILE
 
 VARIANT_TITLES = {"standard": "Standard", "looped": "Looped", "tmlt": "w/ Timestep"}
 _TASK_TITLES = {"lcs": "LCS", "edit_distance": "ED", "sudoku": "Sudoku", "countdown": "Countdown", "icl": "ICL",
                 "text": "LM", "word_problem": "Word problem", "pointer_chase": "Pointer chase", "schedule": "Circuit",
                 "parity": "Parity", "copy": "Copy", "addition": "Addition", "binary_sum": "Binary sum"}
+
+
+def _earlier_stage(f: Path) -> bool:
+    """Whether results.json `f` is a staged run's earlier stage (out_dir/stages/<k>-<name>/): the staged run counts
+    once, by its last stage's results in out_dir (`loopformer.train.stages`)."""
+    stage = f.parent
+    return stage.parent.name == STAGES_DIR and (stage.parent.parent / STAGES_FILE).is_file()
 
 
 def find_runs(folder: str | os.PathLike) -> list[dict]:
@@ -54,7 +62,7 @@ def find_runs(folder: str | os.PathLike) -> list[dict]:
         raise UserError(f"not a folder: {root}")
     out = []
     for f in sorted(root.rglob("results.json")):
-        if "checkpoint" in f.parts or moved_aside(f.relative_to(root)):
+        if "checkpoint" in f.parts or moved_aside(f.relative_to(root)) or _earlier_stage(f):
             continue
         try:
             r = json.loads(f.read_text())
