@@ -36,7 +36,7 @@ THOROUGH = settings(max_examples=60, deadline=None, database=None, suppress_heal
 # where the long work of a command begins: replaced by `WorkStarted` in these tests
 WORK = ["loopformer.model.commands._time_step",            # presets: a timed training step per preset
         "loopformer.data.commands.write_dataset",          # data gen: drawing the samples
-        "loopformer.train.commands.train",                 # train: the run
+        "loopformer.train.commands.train_run",             # train: the run (one, or a staged one)
         "loopformer.experiments.sweep.run_specs",          # sweep, demo: the runs
         "loopformer.experiments.reproduce.plan",           # reproduce: planning every claim's runs
         "loopformer.theory.commands.run_verify",           # theory verify, rate, modulus: the experiments
