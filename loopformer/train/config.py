@@ -322,8 +322,8 @@ def _check_stages(stages: list[StageConfig]) -> None:
                   f"stages[{k}].set: {key} is set by the staged run itself (each stage's folder)")
             _need(not (k > 1 and key == "train.init_from"),
                   f"stages[{k}].set: train.init_from is the previous stage's folder (only the first stage may set it)")
-    _need(len(set(n for n in names if n)) == len([n for n in names if n]),
-          f"stages: names must differ (got {names})")
+    named = [n for n in names if n]
+    _need(len(set(named)) == len(named), f"stages: names must differ (got {names})")
 
 
 def _raw_layers(path: str | os.PathLike | None, overrides: Iterable[str]) -> dict:

@@ -37,6 +37,11 @@ class Dist:
         return self.world > 1
 
 
+def launch_rank() -> int:
+    """This process's rank as torchrun set it (`RANK`; 0 when not launched by torchrun), before any group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def setup(device_choice: str = "auto", sharded: bool = False) -> Dist:
     """Join the process group when launched by torchrun (once per process); pick this process's device.
     `sharded` (train.parallel=fsdp) needs torchrun's launch and joins its group even as a world of one."""
@@ -44,7 +49,7 @@ def setup(device_choice: str = "auto", sharded: bool = False) -> Dist:
         raise UserError("train.parallel=fsdp shards the model over torchrun's processes: launch with "
                         "torchrun --nproc_per_node=N -m loopformer.cli train ... (N >= 1), or use train.parallel=ddp")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launch_rank()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_choice, local)
     if (world > 1 or sharded) and not dist.is_initialized():

@@ -21,18 +21,19 @@ fields (vocabulary, positions) of the run's config.
 
 from __future__ import annotations
 
-import copy
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from loopformer.configio import from_dict, to_dict
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from loopformer.configio import from_dict, one_line, to_dict
 from loopformer.errors import UserError
 from loopformer.fileio import write_text
 from loopformer.train import run
-from loopformer.train.config import RunConfig
+from loopformer.train.config import RunConfig, StageConfig
+from loopformer.train.distributed import launch_rank
 from loopformer.train.trainer import train
 
 
@@ -45,16 +46,8 @@ def stage_folder(cfg: RunConfig, k: int) -> Path:
     return root / run.STAGES_DIR / (f"{k}-{name}" if name else str(k))
 
 
-def _put(tree: dict, key: str, value: Any) -> None:
-    """tree[a][b][c] = value for key "a.b.c" (a missing section is created; the strict load below rejects unknown
-    keys)."""
-    *path, leaf = key.split(".")
-    node = tree
-    for part in path:
-        if not isinstance(node.get(part, {}), dict):
-            raise UserError(f"{key}: {part} is not a config section")
-        node = node.setdefault(part, {})
-    node[leaf] = copy.deepcopy(value)
+def _label(k: int, st: StageConfig) -> str:
+    return f"stage {k}" + (f" ({st.name})" if st.name else "")
 
 
 def stage_configs(cfg: RunConfig) -> list[RunConfig]:
@@ -62,28 +55,24 @@ def stage_configs(cfg: RunConfig) -> list[RunConfig]:
     any stage is a UserError naming the stage, before any stage runs."""
     if not cfg.stages:
         raise UserError("not a staged config: it has no stages")
-    base = to_dict(cfg)
-    base["stages"] = []
+    base = {**to_dict(cfg), "stages": []}
     out = []
     for k, st in enumerate(cfg.stages, 1):
-        label = f"stage {k}" + (f" ({st.name})" if st.name else "")
-        tree = copy.deepcopy(base)
+        sets = {**st.set, "out_dir": str(stage_folder(cfg, k))}       # a missing section is created here; the
+        if k < len(cfg.stages):                                        # strict load rejects unknown keys
+            sets["name"] = f"{cfg.name}-{st.name or k}"
+        if k > 1:
+            sets["train.init_from"] = str(stage_folder(cfg, k - 1))
         try:
-            for key, value in st.set.items():
-                _put(tree, key, value)
-            tree["out_dir"] = str(stage_folder(cfg, k))
-            if k < len(cfg.stages):
-                tree["name"] = f"{cfg.name}-{st.name or k}"
-            if k > 1:
-                tree["train"]["init_from"] = str(stage_folder(cfg, k - 1))
-            out.append(from_dict(RunConfig, tree))
+            tree = OmegaConf.create(base)
+            for key, value in sets.items():
+                OmegaConf.update(tree, key, value, merge=False)
+            out.append(from_dict(RunConfig, OmegaConf.to_container(tree)))
+        except OmegaConfBaseException as e:
+            raise UserError(f"{_label(k, st)}: config error: {one_line(e)}") from None
         except UserError as e:
-            raise UserError(f"{label}: {e}") from None
+            raise UserError(f"{_label(k, st)}: {e}") from None
     return out
-
-
-def _main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _start(cfg: RunConfig, resume: bool, overwrite: bool) -> None:
@@ -115,21 +104,21 @@ def run_stages(cfg: RunConfig, *, resume: bool = False, progress: bool | None = 
     """Train every stage of `cfg` in turn (finished ones kept, an interrupted one resumed); returns the last stage's
     results with a `stages` summary (also in out_dir/results.json)."""
     cfgs = stage_configs(cfg)                 # every stage checked before anything is written
-    if _main_process():
+    main = launch_rank() == 0
+    if main:
         _start(cfg, resume, overwrite)
     summary, results = [], {}
     for k, sc in enumerate(cfgs, 1):
         folder = Path(sc.out_dir)
         again = run.resumable(folder)          # a finished stage too: train returns its results at once
-        if progress is not False and _main_process():
-            print(f"stage {k}/{len(cfgs)}{f' ({cfg.stages[k - 1].name})' if cfg.stages[k - 1].name else ''}: "
-                  f"{folder}", flush=True)
+        if progress is not False and main:
+            print(f"{_label(k, cfg.stages[k - 1])} of {len(cfgs)}: {folder}", flush=True)
         results = train(sc, resume=again, progress=progress, overwrite=not again, on_step=on_step)
         summary.append({"stage": k, "name": cfg.stages[k - 1].name, "out_dir": str(folder),
                         "steps": results.get("steps"), "train_time_s": results.get("train_time_s"),
                         "metric": results.get("metric"), "test": results.get("test")})
     results = {**results, "stages": summary}
-    if _main_process():
+    if main:
         results = run.write_results(Path(cfg.out_dir), results)
     return results
 

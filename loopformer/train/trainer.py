@@ -222,6 +222,8 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None
     other files (see `loopformer.train.run.prepare`). Rank 0 holds the run folder's lock throughout. Under torchrun
     every process calls this.
     """
+    if cfg.stages:                               # refused before the run folder or a process group is touched
+        raise UserError("a staged config (stages:) runs each stage in turn: loopformer.train.stages.train_run")
     d = setup(cfg.device, sharded=cfg.train.parallel == "fsdp")
     lock = run.RunLock(cfg.out_dir) if d.main else None
     t: Trainer | None = None
@@ -268,8 +270,6 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, d: Dist, resume: bool, overwrite: bool = False):
         self.cfg, self.d, tc = cfg, d, cfg.train
-        if cfg.stages:
-            raise UserError("a staged config (stages:) runs each stage in turn: loopformer.train.stages.train_run")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.B = tc.batch_size
