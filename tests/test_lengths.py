@@ -170,6 +170,56 @@ def test_word_problem_with_variable_lengths_is_the_prefix_products_of_each_prefi
     assert not fixed.causal and (fixed.generate(10, 0)["size"] == 8).all()
 
 
+def test_column_addition_against_python_integers_row_by_row_and_loop_by_loop():
+    """Every row's sum bits are a + c; after loop j column i holds the sum bit of columns max(1, i − j)..i added
+    alone (integers of those columns only); pads carry no target; the answer holds from loop n on."""
+    task = get_task("column_addition", length=8, min_length=1)
+    b = task.generate(500, seed=2, split="train")
+    assert task.causal and set(np.unique(b["size"])) == set(range(1, 9))
+    assert b["step_targets"].shape == (500, 8, 10) and task.seq_len == 10
+    for i in range(len(b["inputs"])):
+        n = int(b["size"][i])
+        toks = task.vocab.decode(b["inputs"][i])
+        assert toks[0] == "<bos>" and toks[n + 1] == "00" and all(t == "<pad>" for t in toks[n + 2:])
+        a = [int(t[0]) for t in toks[1:n + 2]]
+        c = [int(t[1]) for t in toks[1:n + 2]]
+        s = _bits_value(a) + _bits_value(c)
+        got = task.vocab.decode(b["targets"][i][1:n + 2])
+        assert got == [str((s >> k) & 1) for k in range(n + 1)]
+        assert b["targets"][i][0] == IGNORE and (b["targets"][i][n + 2:] == IGNORE).all()
+        for j in range(1, task.steps + 1):
+            step = b["step_targets"][i][j - 1]
+            assert step[0] == IGNORE and (step[n + 2:] == IGNORE).all()
+            for col in range(1, n + 2):                                  # 1-based column
+                lo = max(1, col - j)
+                seg = _bits_value(a[lo - 1:col]) + _bits_value(c[lo - 1:col])
+                assert task.vocab.decode([step[col]]) == [str((seg >> (col - lo)) & 1)], (i, j, col)
+            if j >= n:
+                assert np.array_equal(step, b["targets"][i])
+    assert task.metrics(b["targets"], b) == {"accuracy": 1.0, "last_accuracy": 1.0, "token_accuracy": 1.0}
+    wrong = b["targets"].copy()
+    rows = np.arange(3)
+    wrong[rows, b["size"][:3] + 1] = np.where(wrong[rows, b["size"][:3] + 1] == task.vocab.index["0"],
+                                               task.vocab.index["1"], task.vocab.index["0"])   # three carries
+    m = task.metrics(wrong, b)
+    assert m["accuracy"] == m["last_accuracy"] == pytest.approx(1 - 3 / 500)
+    assert "a+c=" in task.decode_row(b, 0)
+
+
+def test_column_addition_splits_sizes_and_refusals():
+    task = get_task("column_addition", length=6)
+    train, test = task.generate(400, 0, "train"), task.generate(200, 0, "test")
+    assert (train["size"] == 6).all() and (test["size"] == 6).all()
+    seen = {r.tobytes() for r in train["inputs"]}
+    assert not any(r.tobytes() in seen for r in test["inputs"])
+    again = task.generate(400, 0, "train")
+    assert all(np.array_equal(train[k], again[k]) for k in train)
+    for bad, needle in [({"length": 0}, "length must be >= 1"), ({"length": 4, "min_length": 5}, "min_length"),
+                        ({"length": "8"}, "length must be an integer")]:
+        with pytest.raises(UserError, match=needle):
+            get_task("column_addition", **bad)
+
+
 # ------------------------------------------------------------------------------------------------ loop rules
 @pytest.mark.parametrize("text,sizes,want", [
     ("linear:1,0", [1, 2, 8, 33], [1, 2, 8, 33]),

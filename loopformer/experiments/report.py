@@ -44,7 +44,8 @@ from loopformer.train.run import STAGES_DIR, STAGES_FILE
 VARIANT_TITLES = {"standard": "Standard", "looped": "Looped", "tmlt": "w/ Timestep"}
 _TASK_TITLES = {"lcs": "LCS", "edit_distance": "ED", "sudoku": "Sudoku", "countdown": "Countdown", "icl": "ICL",
                 "text": "LM", "word_problem": "Word problem", "pointer_chase": "Pointer chase", "schedule": "Circuit",
-                "parity": "Parity", "copy": "Copy", "addition": "Addition", "binary_sum": "Binary sum"}
+                "parity": "Parity", "copy": "Copy", "addition": "Addition", "binary_sum": "Binary sum",
+                "column_addition": "Column addition"}
 
 
 def _earlier_stage(f: Path) -> bool:
@@ -84,7 +85,7 @@ def task_label(task: dict) -> str:
     knob = {"word_problem": ("length", "n"), "pointer_chase": ("hops", "k"), "schedule": ("layers", "K")}.get(name)
     if knob and knob[0] in opts:
         return f"{title} ({knob[1]}={opts[knob[0]]})"
-    if name in ("parity", "copy", "addition", "binary_sum") and "length" in opts:
+    if name in ("parity", "copy", "addition", "binary_sum", "column_addition") and "length" in opts:
         low = opts.get("min_length") or opts["length"]
         return f"{title} (n={opts['length']})" if low == opts["length"] else f"{title} (n={low}..{opts['length']})"
     return title

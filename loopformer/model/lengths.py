@@ -112,7 +112,7 @@ def check_covers(rule: LoopRule, loops: int, largest: int | None) -> None:
         return
     if largest is None:
         raise UserError(f"model.loop_rule={rule} reads every row's size n: train on a task whose rows record it "
-                        "(parity, copy, addition, binary_sum, word_problem)")
+                        "(parity, copy, addition, binary_sum, column_addition, word_problem)")
     need = rule.at(largest, loops)
     if need > loops:
         raise UserError(f"model.loop_rule={rule} runs T({largest}) = {need} loops at the largest training size: "

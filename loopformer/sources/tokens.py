@@ -154,7 +154,7 @@ class TokenData(DataSource):
         if cfg.length_start:
             if "size" not in self.train:
                 raise UserError(f"task.length_start: the {self.task.name} task's rows record no size (tasks that do: "
-                                "parity, copy, addition, binary_sum, word_problem)")
+                                "parity, copy, addition, binary_sum, column_addition, word_problem)")
             sizes = np.asarray(self.train["size"])
             order = np.argsort(sizes, kind="stable")
             self.size_order = (order, sizes[order])

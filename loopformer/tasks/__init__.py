@@ -27,6 +27,7 @@ min_length..length, recorded in `size`; causal, padded at the end):
     copy           <bos> x1 … xn = x1 … xn <eos>              (reverse: xn … x1)
     addition       <bos> a1 … an + c1 … cn = s1 … sn+1 <eos>  (binary, least significant bit first)
     binary_sum     <bos> b1 … bn = (b1 + … + bn in binary) <eos>
+    column_addition  <bos> (a1 c1) … (an cn) (0 0) -> s1 … sn+1 under the columns  (`loopformer.tasks.column_addition`)
 
 In-context learning (real-valued prompts sampled on the fly) lives in `loopformer.tasks.icl`.
 
@@ -43,6 +44,7 @@ from typing import Any
 from loopformer.errors import UserError
 from loopformer.tasks.algorithmic import AdditionTask, BinarySumTask, CopyTask, ParityTask
 from loopformer.tasks.base import IGNORE, TokenTask, Vocab
+from loopformer.tasks.column_addition import ColumnAdditionTask
 from loopformer.tasks.countdown import CountdownTask
 from loopformer.tasks.edit_distance import EditDistanceTask
 from loopformer.tasks.lcs import LCSTask
@@ -63,6 +65,7 @@ TASKS: dict[str, type[TokenTask]] = {
     "copy": CopyTask,
     "addition": AdditionTask,
     "binary_sum": BinarySumTask,
+    "column_addition": ColumnAdditionTask,
 }
 
 
@@ -92,4 +95,4 @@ def get_task(name: str, **options: Any) -> TokenTask:
 __all__ = ["TASKS", "get_task", "task_options", "TokenTask", "Vocab", "IGNORE", "EditDistanceTask", "LCSTask",
            "SudokuTask", "CountdownTask",
            "WordProblemTask", "PointerChaseTask", "ScheduleTask", "ParityTask", "CopyTask", "AdditionTask",
-           "BinarySumTask"]
+           "BinarySumTask", "ColumnAdditionTask"]
