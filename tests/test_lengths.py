@@ -206,6 +206,37 @@ def test_column_addition_against_python_integers_row_by_row_and_loop_by_loop():
     assert "a+c=" in task.decode_row(b, 0)
 
 
+def _longest_chain(row: list[str]) -> int:
+    """The most columns in a row that pass a carry on (01 or 10)."""
+    best = run = 0
+    for col in row:
+        run = run + 1 if col in ("01", "10") else 0
+        best = max(best, run)
+    return best
+
+
+def test_column_addition_propagate_sets_the_carry_chains():
+    """propagate p: each column passes the carry on with probability p; the answers stay a + c."""
+    uniform = get_task("column_addition", length=24).generate(400, 0, "test")
+    same = get_task("column_addition", length=24, propagate=0.5).generate(400, 0, "test")
+    assert all(np.array_equal(uniform[k], same[k]) for k in uniform)
+    task = get_task("column_addition", length=24, propagate=0.95)
+    b = task.generate(400, 0, "test")
+    cols = [task.vocab.decode(r[1:25]) for r in b["inputs"]]
+    share = np.mean([c in ("01", "10") for row in cols for c in row])
+    assert 0.92 < share < 0.98
+    plain = get_task("column_addition", length=24)
+    assert np.median([_longest_chain(r) for r in cols]) > 3 * np.median(
+        [_longest_chain(plain.vocab.decode(r[1:25])) for r in uniform["inputs"]])
+    for i in range(50):
+        a = [int(c[0]) for c in cols[i]]
+        c = [int(x[1]) for x in cols[i]]
+        s = _bits_value(a) + _bits_value(c)
+        assert task.vocab.decode(b["targets"][i][1:26]) == [str((s >> k) & 1) for k in range(25)]
+    none = get_task("column_addition", length=6, propagate=0.0).generate(50, 0, "test")
+    assert all(t in ("00", "11") for r in none["inputs"] for t in task.vocab.decode(r[1:7]))
+
+
 def test_column_addition_splits_sizes_and_refusals():
     task = get_task("column_addition", length=6)
     train, test = task.generate(400, 0, "train"), task.generate(200, 0, "test")
@@ -215,7 +246,7 @@ def test_column_addition_splits_sizes_and_refusals():
     again = task.generate(400, 0, "train")
     assert all(np.array_equal(train[k], again[k]) for k in train)
     for bad, needle in [({"length": 0}, "length must be >= 1"), ({"length": 4, "min_length": 5}, "min_length"),
-                        ({"length": "8"}, "length must be an integer")]:
+                        ({"length": "8"}, "length must be an integer"), ({"propagate": 1.5}, "propagate")]:
         with pytest.raises(UserError, match=needle):
             get_task("column_addition", **bad)
 

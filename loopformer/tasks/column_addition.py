@@ -24,6 +24,11 @@ produce (a carry of 0 into column max(1, i − j)):
 — the whole sum from loop n on (column i is exact once j >= i − 1), which then holds: the answer is a fixed point
 of the step, so a loop that does not know its index can run past T(n) and keep it.
 
+Carry chains (`propagate`): random columns pass the carry on half the time, so the longest chain in a row of n
+columns is about log2 n and few rows need many loops; `propagate: p` draws a propagating column (01 or 10) with
+probability p and a resetting one (00 or 11) otherwise — rows whose carries travel as far as the evaluation asks
+(`loopformer eval RUN --lengths 24 --task-opt propagate=0.95`). At p = 0.5 the draws are the uniform ones.
+
 Variable sizes (`min_length` > 0): every row draws n from min_length..length (`size` [N]) and is padded at the
 end (pads: target IGNORE, intermediate states IGNORE). Splits are disjoint by a hash of the input row. Checked
 against Python integers, row by row and loop by loop, in `tests/test_lengths.py`.
@@ -68,6 +73,7 @@ class ColumnAdditionTask(TokenTask):
 
     length: int = 16          # n: the largest size (bits per number; every row has n + 1 columns)
     min_length: int = 0       # > 0: sizes drawn uniformly from min_length..length
+    propagate: float = 0.5    # the chance that a column passes the carry on (01 or 10); 0.5: uniform columns
 
     name = "column_addition"
     causal = True
@@ -75,6 +81,7 @@ class ColumnAdditionTask(TokenTask):
     def __post_init__(self) -> None:
         check_range("length", self.length, 1, MAX_LENGTH)
         check_range("min_length", self.min_length, 0, self.length)
+        check_range("propagate", self.propagate, 0, 1, integer=False)
         self.vocab = Vocab(["<pad>", "<bos>"] + COLUMNS + ["0", "1"])
         self.seq_len = self.length + 2
         self.steps = self.length
@@ -91,7 +98,12 @@ class ColumnAdditionTask(TokenTask):
         lo, hi = self.sizes
         size = rng.integers(lo, hi + 1, size=m)
         W = self.length + 1                                                # columns, the carry's included
-        bits = rng.integers(0, 2, size=(m, 2, W))
+        if self.propagate == 0.5:
+            bits = rng.integers(0, 2, size=(m, 2, W))
+        else:                                                              # a_i, and c_i = a_i where it resets
+            passes = rng.random((m, W)) < self.propagate
+            first = rng.integers(0, 2, size=(m, W))
+            bits = np.stack([first, np.where(passes, 1 - first, first)], axis=1)
         live = np.arange(W)[None, :] < size[:, None]                       # [m,W] the numbers' own columns
         a, c = bits[:, 0] * live, bits[:, 1] * live                        # zeros from column n + 1 on
         col0, bit0 = self.vocab.index["00"], self.vocab.index["0"]
