@@ -88,7 +88,7 @@ def test_fixed_size_rows_and_disjoint_deterministic_splits(name, options):
     assert task.metrics(wrong, train)["accuracy"] == pytest.approx(1 - 1 / 400)
 
 
-def _scan_reference(name: str, toks: list[str], n: int, K: int) -> list[list[str | None]]:
+def _scan_reference(name: str, toks: list[str], n: int, K: int, every: bool = False) -> list[list[str | None]]:
     """The read-out's targets after loops 1..K of a one-step scan, simulated token by token: each loop every
     position takes its left neighbour's content (copy: a shift register) or XORs its own bit into it (parity:
     the parity of the window p − j .. p); a position is supervised where the final answer is read and the scan
@@ -114,6 +114,8 @@ def _scan_reference(name: str, toks: list[str], n: int, K: int) -> list[list[str
         state = [bit[p] ^ (state[p - 1] if p else 0) for p in range(T)]  # the XOR of bits p − j .. p
         row = list(final)
         row[n + 1] = str(state[n + 1]) if j < n else final[n + 1]
+        if every:                                                      # every bit holds its window's parity too
+            row[1:n + 1] = [str(state[p]) for p in range(1, n + 1)]
         out.append(row)
     return out
 
@@ -131,6 +133,22 @@ def test_scan_targets_match_a_simulated_one_step_scan(name):
         want = _scan_reference(name, toks, n, task.steps)
         got = [[None if t == IGNORE else task.vocab.decode([t])[0] for t in step] for step in b["step_targets"][i]]
         assert got == want, (toks, n)
+
+
+def test_parity_scan_every_supervises_every_bit_with_its_window_parity():
+    task = get_task("parity", length=7, min_length=1, scan=True, scan_every=True)
+    b = task.generate(200, seed=4)
+    only = get_task("parity", length=7, min_length=1, scan=True).generate(200, seed=4)
+    assert np.array_equal(b["inputs"], only["inputs"]) and np.array_equal(b["targets"], only["targets"])
+    for i in range(len(b["inputs"])):
+        toks, n = task.vocab.decode(b["inputs"][i]), int(b["size"][i])
+        want = _scan_reference("parity", toks, n, task.steps, every=True)
+        got = [[None if t == IGNORE else task.vocab.decode([t])[0] for t in step] for step in b["step_targets"][i]]
+        assert got == want, (toks, n)
+        bits = [int(t) for t in toks[1:n + 1]]
+        assert got[-1][1:n + 1] == [str(sum(bits[:p]) % 2) for p in range(1, n + 1)]   # prefix parities by loop K
+    with pytest.raises(UserError, match="needs scan: true"):
+        get_task("parity", length=5, scan_every=True)
 
 
 @pytest.mark.parametrize("name,options,needle", [("addition", {}, "has no one-step scan"),
@@ -549,12 +567,17 @@ def test_at_length_refuses_tasks_without_a_length():
     parity = make_data(TaskConfig(name="parity", options={"length": 8, "min_length": 1}, n_train=8, n_test=8,
                                   n_val=4, length_start=2))
     other, cfg = parity.at_length(20, 10)
-    assert (other.test["size"] == 20).all() and cfg.options == {"length": 20, "min_length": 0, "scan": False}
+    assert (other.test["size"] == 20).all() and cfg.options == {"length": 20, "min_length": 0, "scan": False,
+                                                                       "scan_every": False}
     assert cfg.n_val == 0 and cfg.length_start == 0 and len(other.test["inputs"]) == 10
     scanned = make_data(TaskConfig(name="copy", options={"length": 6, "min_length": 1, "scan": True}, n_train=8,
                                    n_test=8, loop_targets=True))
     other, cfg = scanned.at_length(12, 4)
     assert cfg.options["scan"] is False and "step_targets" not in other.test and not cfg.loop_targets
+    every = make_data(TaskConfig(name="parity", options={"length": 6, "min_length": 1, "scan": True,
+                                                         "scan_every": True}, n_train=8, n_test=8, loop_targets=True))
+    other, cfg = every.at_length(12, 4)                 # scan_every goes with the scan
+    assert cfg.options["scan"] is False and cfg.options["scan_every"] is False and "step_targets" not in other.test
     word = make_data(TaskConfig(name="word_problem", options={"group": "S3", "length": 6, "min_length": 1,
                                                               "causal": True, "scan": "linear"},
                                 n_train=8, n_test=8, loop_targets=True))

@@ -112,6 +112,8 @@ class TokenData(DataSource):
             options["min_length"] = 0
         if options.get("scan") is True:          # no per-loop targets at other lengths: no intermediate states
             options["scan"] = False              # (parity, copy; the word problem's scan names its kind: kept)
+            if options.get("scan_every"):
+                options["scan_every"] = False
         cfg = dataclasses.replace(self.cfg, name=self.task.name, options=options, data_dir=None, n_train=1,
                                   n_test=int(rows), n_val=0, loop_targets=False, augment=False, length_start=0)
         try:

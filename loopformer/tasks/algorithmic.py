@@ -25,7 +25,10 @@ Intermediate states (option `scan`, parity and copy; for `task.loop_targets` wit
 two positions, `model.attn_window=2`): also step_targets [N, K, T], K = length, the read-out's targets after each
 loop j of the one-step scan. After j loops a read position p has seen positions p − j .. p only, so:
 
-    parity  the read-out before p holds the parity of the last min(j, n) bits (the whole parity from loop n on)
+    parity  the read-out before p holds the parity of the last min(j, n) bits (the whole parity from loop n on);
+            with `scan_every`, every bit position b_p too holds the parity of the bits it has seen, b_(p−j) .. b_p
+            (the prefix parity from loop p − 1 on): the scan's state supervised wherever it is, as the word
+            problem's and column addition's are
     copy    the read-out before y_i holds the symbol j positions back, x_(n+i−j), once that is a symbol (j >= i;
             IGNORE before); <eos> from loop n on — for copy the only way a window of two can move x_i to y_i
 
@@ -168,8 +171,15 @@ def _bits(task: LengthTask, bits: np.ndarray) -> np.ndarray:
 class ParityTask(LengthTask):
     """The parity of n random bits."""
 
+    scan_every: bool = False  # with scan: the scan's state at every bit position too, not only where p is read
+
     name = "parity"
     symbols: ClassVar[list[str]] = ["0", "1"]
+
+    def check_options(self) -> None:
+        check_bool("scan_every", self.scan_every)
+        if self.scan_every and not self.scan:
+            raise UserError("option scan_every supervises the scan's states at every position: it needs scan: true")
 
     def max_row(self, n: int) -> int:
         return n + 4
@@ -180,12 +190,18 @@ class ParityTask(LengthTask):
 
     def scan_targets(self, rows: np.ndarray, targets: np.ndarray, n: int) -> np.ndarray:
         """Loop j: at the read position of the parity (the "=" at n + 1) the parity of bits n − j + 1 .. n; <eos>
-        (read one position later, next to the "=") at every loop."""
+        (read one position later, next to the "=") at every loop. With `scan_every`, bit b_p (at position p) holds
+        the parity of bits max(1, p − j) .. p."""
         steps = np.repeat(targets[:, None, :], self.steps, axis=1)           # [m,K,T]
         bits = rows[:, 1:n + 1] - self.vocab.index["0"]                     # [m,n]
         suffix = np.cumsum(bits[:, ::-1], axis=1) % 2                        # [m,n] parity of the last j bits
         j = np.minimum(np.arange(1, self.steps + 1), n)                     # [K]
         steps[:, :, n + 1] = _bits(self, suffix[:, j - 1])
+        if self.scan_every:                                                  # window parities: prefix differences
+            prefix = np.concatenate([np.zeros((len(rows), 1), np.int64), np.cumsum(bits, axis=1)], axis=1)  # [m,n+1]
+            p = np.arange(1, n + 1)                                           # [n] bit positions
+            lo = np.maximum(p[None, :] - np.arange(1, self.steps + 1)[:, None], 1)  # [K,n] first bit seen
+            steps[:, :, 1:n + 1] = _bits(self, (prefix[:, None, p] - prefix[:, lo - 1]) % 2)
         return steps
 
 
