@@ -52,6 +52,7 @@ from loopformer.tasks.common import (
     check_range,
     dataclass_options,
     draw_in_split,
+    draw_sizes,
     exact_match,
     make_rng,
     token_accuracy,
@@ -114,14 +115,8 @@ class LengthTask(TokenTask):
     def options(self) -> dict:
         return dataclass_options(self)
 
-    @property
-    def sizes(self) -> tuple[int, int]:
-        """The smallest and largest size of a row."""
-        return (self.min_length or self.length), self.length
-
     def _draw(self, rng: np.random.Generator, m: int) -> dict[str, np.ndarray]:
-        lo, hi = self.sizes
-        size = rng.integers(lo, hi + 1, size=m)
+        size = draw_sizes(rng, m, self.min_length, self.length)
         x = rng.integers(0, self.draw_range, size=(m, self.width()))
         rows = np.zeros((m, self.seq_len), dtype=np.int32)
         start, length = np.zeros(m, np.int64), np.zeros(m, np.int64)

@@ -45,6 +45,7 @@ from loopformer.tasks.common import (
     check_range,
     dataclass_options,
     draw_in_split,
+    draw_sizes,
     exact_match,
     make_rng,
     token_accuracy,
@@ -89,14 +90,8 @@ class ColumnAdditionTask(TokenTask):
     def options(self) -> dict:
         return dataclass_options(self)
 
-    @property
-    def sizes(self) -> tuple[int, int]:
-        """The smallest and largest size of a row."""
-        return (self.min_length or self.length), self.length
-
     def _draw(self, rng: np.random.Generator, m: int) -> dict[str, np.ndarray]:
-        lo, hi = self.sizes
-        size = rng.integers(lo, hi + 1, size=m)
+        size = draw_sizes(rng, m, self.min_length, self.length)
         W = self.length + 1                                                # columns, the carry's included
         if self.propagate == 0.5:
             bits = rng.integers(0, 2, size=(m, 2, W))

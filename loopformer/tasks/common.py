@@ -59,6 +59,11 @@ def check_bool(name: str, value: Any) -> None:
         raise UserError(f"option {name} must be true or false, got {value!r}")
 
 
+def draw_sizes(rng: np.random.Generator, m: int, min_length: int, length: int) -> np.ndarray:
+    """[m] row sizes drawn uniformly from min_length..length (min_length 0: every row has size `length`)."""
+    return rng.integers(min_length or length, length + 1, size=m)
+
+
 def dataclass_options(obj) -> dict[str, Any]:
     """The init fields of a task dataclass as a plain dict (what manifests record)."""
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
