@@ -39,6 +39,7 @@ from loopformer.eval.config import EvalConfig
 from loopformer.eval.evaluate import check_eval_args
 from loopformer.experiments.stale import moved_aside
 from loopformer.fileio import write_figure, write_text
+from loopformer.tasks import TASKS, task_options
 from loopformer.train.run import STAGES_DIR, STAGES_FILE
 
 VARIANT_TITLES = {"standard": "Standard", "looped": "Looped", "tmlt": "w/ Timestep"}
@@ -85,7 +86,7 @@ def task_label(task: dict) -> str:
     knob = {"word_problem": ("length", "n"), "pointer_chase": ("hops", "k"), "schedule": ("layers", "K")}.get(name)
     if knob and knob[0] in opts:
         return f"{title} ({knob[1]}={opts[knob[0]]})"
-    if name in ("parity", "copy", "addition", "binary_sum", "column_addition") and "length" in opts:
+    if name in TASKS and "min_length" in task_options(name) and "length" in opts:       # the variable-size tasks
         low = opts.get("min_length") or opts["length"]
         return f"{title} (n={opts['length']})" if low == opts["length"] else f"{title} (n={low}..{opts['length']})"
     return title

@@ -155,8 +155,9 @@ class TokenData(DataSource):
         self.size_order = None        # a length curriculum's (rows sorted by size, their sizes)
         if cfg.length_start:
             if "size" not in self.train:
+                sized = ", ".join(k for k in TASKS if "min_length" in task_options(k))
                 raise UserError(f"task.length_start: the {self.task.name} task's rows record no size (tasks that do: "
-                                "parity, copy, addition, binary_sum, column_addition, word_problem)")
+                                f"{sized})")
             sizes = np.asarray(self.train["size"])
             order = np.argsort(sizes, kind="stable")
             self.size_order = (order, sizes[order])
