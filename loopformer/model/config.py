@@ -20,7 +20,7 @@ from loopformer.model.stability import check as check_stabilisers
 
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _HEADS = ("lm", "sequence", "regression")
-_PAST_R = ("continue", "clamp", "hold")
+_PAST_R = ("continue", "clamp", "hold", "own")
 _TIMES = ("index", "normalized")
 # upper bounds of the size fields (far above any model that fits a machine today; checked before allocating)
 LIMITS = {"vocab_size": 1 << 24, "input_dim": 1 << 20, "max_len": 1 << 24, "d_model": 1 << 17, "n_heads": 1 << 12,
@@ -80,7 +80,13 @@ class ModelConfig:
                                       # PE(t) | "clamp" to the last trained t = loops - 1 (a learned table always
                                       # clamps) | "hold": every loop past r reads one index of its own, t = loops
                                       # (the hold index: trained by loop counts drawn past r, `train.loops_hold`;
-                                      # sinusoid only). Changes no weights: choose it at load / evaluation time
+                                      # sinusoid only). Changes no weights: choose it at load / evaluation time |
+                                      # "own": every loop past r reads a modulation of its own, a parameter
+                                      # (`Layer.past_modulation` [4,D] per layer; with input injection also the
+                                      # injection's scale β [D], h + β ⊙ e) that nothing before r reads — trained
+                                      # alone (`train.freeze`), loops 1..r stay exactly as they were. Started from
+                                      # weights without them (train.init_from): the hold index's modulation (t = r)
+                                      # and β = 1. Weights of their own: set it before training
     input_injection: bool = False     # add the read-in embedding before every loop after the first
     # stabilisers of deep loops (loopformer.model.stability; docs/stability.md): all off by default
     start_state: str = "input"        # h_0: "input" (the read-in e) | "zeros" (0, e injected before the first loop
@@ -176,6 +182,9 @@ class ModelConfig:
         need(self.timestep_past != "hold" or self.timestep_embed == "sinusoid",
              "timestep_past='hold' reads the index r, which a learned table (r vectors) lacks: use "
              "timestep_embed='sinusoid'")
+        need(self.timestep_past != "own" or (self.timestep and self.timestep_time == "index"),
+             "timestep_past='own' is a modulation of the loops past r: it needs timestep=true and "
+             "timestep_time='index'")
         need(self.timestep_time in _TIMES, f"timestep_time must be one of {_TIMES} (got {self.timestep_time!r})")
         if self.timestep_time == "normalized":
             need(self.timestep, "timestep_time='normalized' conditions the timestep encoding: set timestep=true")

@@ -127,7 +127,7 @@ def _loop(model: torch.nn.Module, rule: HaltRule, rows: Running, mods, cache: KV
     cfg = model.config
     going = rows.going
     all_going = going is None or bool(going.all())
-    inp = rows.h + rows.e if (t > 0 and cfg.input_injection) else rows.h
+    inp = rows.h + model.injection(rows.e, t) if (t > 0 and cfg.input_injection) else rows.h
     rows.kv = RunningKV(cache, rows.run, going, len(model.blocks), all_going) if cache is not None else None
     h_new = model._block(inp, None if mods is None else mods[t], rows.mask, rows.kv, t, rope=rows.rope)
     h_new = update(model.forget, rows.h, h_new)      # the forget gate (`loopformer.model.gating`; off: h_new)

@@ -39,8 +39,9 @@ The loop index under a solver (TMLT, `timestep=true`): F must be one map, so the
 t* = r − 1 (r = `loops`, the trained loop count), the last index the unrolled model trains: a TMLT run past r with
 `timestep_past="clamp"` applies exactly this map, so the solver's h* is the limit of the clamped unrolled model
 (its state as loops → ∞; with `timestep_past="hold"` the block reads the hold index t* = r, the map every loop past
-r applies), and a TMLT trained with a solver reads one learned modulation (a gain and a gate per branch). The
-budget-aware time (`timestep_time="normalized"`) has no such limit and is refused.
+r applies, and with `"own"` the loops past r's own modulation and injection), and a TMLT trained with a solver reads
+one learned modulation (a gain and a gate per branch). The budget-aware time (`timestep_time="normalized"`) has no
+such limit and is refused.
 
 How the mode composes (every refusal is one line, a ValueError for config fields, a UserError for calls):
     return_all       at evaluation the solver's estimate after every iteration (its lowest-residual F(x) so far),
@@ -288,11 +289,13 @@ def phantom(F: Map, x: torch.Tensor, steps: int, damping: float, ckpt: bool = Fa
 # ------------------------------------------------------------------------------------------------- the model's mode
 def loop_map(model, e: torch.Tensor, mask: torch.Tensor | None, rope=None) -> Map:
     """F(h) = TF(h + e, t*) of `model` (a LoopedTransformer) for read-in e [B,T,D]: [B,T,D] -> [B,T,D]; t* = r − 1
-    under timestep modulation, r with `timestep_past="hold"` (see the module's docstring)."""
-    t_star = model.config.loops - (model.config.timestep_past != "hold")
+    under timestep modulation, r with `timestep_past="hold"` or `"own"` (the loops past r's own modulation; see the
+    module's docstring)."""
+    t_star = model.config.loops - (model.config.timestep_past not in ("hold", "own"))
     mods = model.modulations(1, e.device, offset=t_star)                                 # [1,k,4,D] | None
     mods_t = None if mods is None else mods[0]
-    return lambda h: model._block(h + e, mods_t, mask, None, 0, rope=rope)
+    inj = model.injection(e, t_star)                  # e (the loops past r's β ⊙ e with timestep_past="own")
+    return lambda h: model._block(h + inj, mods_t, mask, None, 0, rope=rope)
 
 
 def initial_guess(e: torch.Tensor, cfg, training: bool, state: torch.Tensor | None) -> torch.Tensor:

@@ -261,9 +261,11 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", ema: bool 
 
 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | torch.device = "cpu",
-                 ema: bool = False) -> None:
+                 ema: bool = False, start_past: bool = False) -> None:
     """Load `path/model.safetensors` (`ema`: `path/ema.safetensors`) into `model` strictly; a missing or truncated
-    file, a shape mismatch or a non-finite value is a UserError."""
+    file, a shape mismatch or a non-finite value is a UserError. `start_past` (fine-tuning, `train.init_from`): a
+    model with `timestep_past="own"` may start from weights without the loops past r's own modulation, which then
+    starts as the hold index's (`LoopedTransformer.start_past_modulation`)."""
     f = Path(path) / (EMA_WEIGHTS if ema else WEIGHTS)
     if ema and not f.is_file():
         raise UserError(f"{path} holds no averaged weights ({EMA_WEIGHTS}; train with train.ema_decay > 0)")
@@ -275,6 +277,10 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | 
         first = str(exc).strip().splitlines()
         detail = next((line.strip() for line in first if "mismatch" in line), first[0] if first else "")
         raise UserError(f"checkpoint {path} does not match its config: {detail[:200]}") from None
+    fill = start_past and bool(missing) and all(k.endswith(("past_modulation", "past_injection")) for k in missing)
+    if fill:
+        unwrap(model).start_past_modulation()
+        missing = []
     if missing or unexpected:
         raise UserError(f"checkpoint {path} does not match its config: missing {sorted(missing)[:3]}, "
                         f"unexpected {sorted(unexpected)[:3]}")

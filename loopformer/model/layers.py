@@ -216,15 +216,22 @@ class Layer(nn.Module):
         # TMLT: SiLU(TE(t)) -> [γ1, γ2, s1, s2] (the authors' chunk order: gate_attn, gate_mlp, scale_attn, scale_mlp)
         with torch.random.fork_rng(devices=[]):   # draws nothing (see LoopedTransformer.reset_parameters)
             self.modulation = nn.Linear(cfg.d_model, 4 * cfg.d_model) if cfg.timestep else None
+        # timestep_past="own": the loops past r read this [γ1, γ2, s1, s2] instead of W5·SiLU(TE(t)) + b5
+        self.past_modulation = nn.Parameter(torch.empty(4, cfg.d_model)) \
+            if cfg.timestep and cfg.timestep_past == "own" else None
 
     @torch.no_grad()
     def reset_modulation(self, gate_init: float) -> None:
-        """W5 = 0 and b5 = [γ0, γ0, 0, 0]: every loop starts with gates γ0 and scales α = 1 (adaLN-Zero for γ0 = 0)."""
+        """W5 = 0 and b5 = [γ0, γ0, 0, 0]: every loop starts with gates γ0 and scales α = 1 (adaLN-Zero for γ0 = 0);
+        the loops past r's own modulation likewise."""
         if self.modulation is not None:
             d = self.modulation.in_features
             self.modulation.weight.zero_()
             self.modulation.bias.zero_()
             self.modulation.bias[:2 * d].fill_(gate_init)                                  # γ1, γ2
+        if self.past_modulation is not None:
+            self.past_modulation.zero_()
+            self.past_modulation[:2].fill_(gate_init)
 
     def loop_modulation(self, te: torch.Tensor) -> torch.Tensor | None:
         """[γ1, γ2, s1, s2] of every loop from SiLU(TE(t)) [R,D]: [R,4,D] ([R,B,D] -> [R,B,4,D] for times of their
@@ -315,12 +322,14 @@ def make_layer(cfg: ModelConfig) -> Layer:
 
 
 # ------------------------------------------------------------------ parameter groups
-PARAM_GROUPS = ("embedding", "block", "timestep", "modulation", "head")   # what each parameter of the model belongs to
+PARAM_GROUPS = ("embedding", "block", "timestep", "modulation", "past", "head")   # what each parameter belongs to
 
 
 def param_group(name: str) -> str:
     """The group of a parameter of `LoopedTransformer` by its name (see PARAM_GROUPS)."""
     parts = name.split(".")
+    if parts[-1] in ("past_modulation", "past_injection"):
+        return "past"          # the loops past r's own modulation and injection (timestep_past="own")
     if parts[0] == "timestep":
         return "timestep"
     if "modulation" in parts:
@@ -333,8 +342,9 @@ def param_group(name: str) -> str:
 
 
 def is_timestep_param(name: str) -> bool:
-    """The TMLT parameters: the timestep embedder TE(t) and each layer's modulation W5, b5."""
-    return param_group(name) in ("timestep", "modulation")
+    """The TMLT parameters: the timestep embedder TE(t), each layer's modulation W5, b5 (and its own modulation of
+    the loops past r)."""
+    return param_group(name) in ("timestep", "modulation", "past")
 
 
 def timestep_features(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:

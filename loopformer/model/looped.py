@@ -47,6 +47,7 @@ from loopformer.model.layers import (
     TimestepEmbedder,
     is_timestep_param,
     make_layer,
+    param_group,
     rope_tables,
 )
 from loopformer.model.options import PLAIN, Begin, LoopOptions, LoopOutput
@@ -76,6 +77,9 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         self.head = Head(cfg)                                                       # L2
         self.exit_gate = ExitGate(cfg.d_model, eps=cfg.norm_eps) if cfg.exit_gate else None   # stop logits
         self.forget = ForgetGate(cfg.d_model, cfg.forget_gate_bias, cfg.norm_eps) if cfg.forget_gate else None
+        # timestep_past="own" with input injection: the loops past r add β ⊙ e (β learned, starts at 1)
+        self.past_injection = nn.Parameter(torch.ones(cfg.d_model)) \
+            if cfg.timestep and cfg.timestep_past == "own" and cfg.input_injection else None
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.head.proj.weight = self.embed.tok.weight
@@ -92,8 +96,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         is exactly the untrained looped model of that seed (paired comparisons).
         """
         std = self.config.init_std
-        named = [(n, p) for n, p in self.named_parameters()
-                 if not n.startswith(("exit_gate.", "forget."))]                     # the gates draw nothing
+        named = [(n, p) for n, p in self.named_parameters()     # the gates draw nothing, nor the loops past r's
+                 if not n.startswith(("exit_gate.", "forget.")) and param_group(n) != "past"]   # own parameters
         for name, p in [*((n, p) for n, p in named if not is_timestep_param(n)),
                         *((n, p) for n, p in named if is_timestep_param(n))]:
             if name.endswith("bias"):
@@ -113,6 +117,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             for out in (blk.post_attn, blk.post_mlp):
                 if out is not None:
                     out.reset_parameters()   # LayerScale's small start (the loop above set every vector to 1)
+        if self.past_injection is not None:
+            self.past_injection.fill_(1.0)
         if self.exit_gate is not None:
             self.exit_gate.reset_parameters()
         if self.forget is not None:
@@ -142,12 +148,12 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         loop of the first supervision step): t itself; with `step_timestep="restart"` t mod r, the loop within its
         supervision step (a step is r = `loops` loops); past the trained loops (t >= r) with
         `timestep_past="clamp"` the last trained index r - 1, with `"hold"` the index r (one index for every loop
-        past r).  [R] int64."""
+        past r); with `"own"` r - 1 (those loops' modulation is a parameter of its own: `modulations`).  [R] int64."""
         cfg = self.config
         t = torch.arange(offset, offset + loops, device=device)
         if cfg.step_timestep == "restart":
             t = t % cfg.loops
-        past = {"clamp": cfg.loops - 1, "hold": cfg.loops}.get(cfg.timestep_past)
+        past = {"clamp": cfg.loops - 1, "hold": cfg.loops, "own": cfg.loops - 1}.get(cfg.timestep_past)
         return t if past is None else t.clamp(max=past)
 
     def loop_times(self, loops: int, device: torch.device, offset: int = 0,
@@ -179,7 +185,41 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         else:
             te = F.silu(self.timestep(self.loop_indices(loops, device, offset)))       # SiLU(TE(t)): [R,D]
         mods = torch.stack([blk.loop_modulation(te) for blk in self.blocks], dim=1)   # [R,k,4,D] | [R,k,B,4,D]
+        if self.config.timestep_past == "own":      # the loops past r: their own modulation, [k,4,D]
+            mods = torch.where(self._past_loops(loops, device, offset)[:, None, None, None],
+                               torch.stack([blk.past_modulation for blk in self.blocks]), mods)
         return mods if te.dim() == 2 else mods.transpose(2, 3).unsqueeze(-2)           # ... | [R,k,4,B,1,D]
+
+    def _past_loops(self, loops: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+        """Which of loops offset..offset+R-1 lie past the trained r (t >= r; never with `step_timestep="restart"`,
+        whose index starts again every r loops).  [R] bool."""
+        t = torch.arange(offset, offset + loops, device=device)
+        return t >= self.config.loops if self.config.step_timestep != "restart" else torch.zeros_like(t, dtype=bool)
+
+    def injection(self, e: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+        """What input injection adds to the state before loop t (0-based, counted as `loop_indices` counts; an int,
+        or [B] for a loop per row): the read-in e; with `timestep_past="own"` the loops past r add β ⊙ e, β the
+        learned `past_injection` (starts at 1), so that those loops can learn to stop adding the input."""
+        if self.past_injection is None or self.config.step_timestep == "restart":
+            return e
+        if isinstance(t, int):
+            return e * self.past_injection if t >= self.config.loops else e
+        past = (t >= self.config.loops).view(-1, *([1] * (e.dim() - 1)))                # [B,1,..]
+        return torch.where(past, e * self.past_injection, e)
+
+    @torch.no_grad()
+    def start_past_modulation(self) -> None:
+        """`timestep_past="own"`: set every layer's own modulation of the loops past r to what the hold index t = r
+        gives (W5·SiLU(TE(r)) + b5; a learned table's last vector) and the injection's β to 1, so that a model whose
+        weights lacked them starts as it ran with `timestep_past="hold"`."""
+        if self.config.timestep_past != "own":
+            return
+        p = next(self.parameters())
+        te = F.silu(self.timestep(torch.tensor([self.config.loops], device=p.device)))   # [1,D]
+        for blk in self.blocks:
+            blk.past_modulation.copy_(blk.loop_modulation(te)[0])
+        if self.past_injection is not None:
+            self.past_injection.fill_(1.0)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *, loops: int | None = None, attn_mask: torch.Tensor | None = None,
@@ -221,7 +261,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) (gated: - (1-f) h) ----
             h = h_prev = cut(h, cfg, t, grad and self.training)   # a gradient window starts (`grad_window`)
             if (t > 0 or h0 is not None) and cfg.input_injection:
-                h = h + e
+                h = h + self.injection(e, opts.loop_offset + t)
             mods_t = None if mods is None else mods[t]
             at = opts.read_at if sparse and t == R - 1 else None                       # -> h: [N,D]
             with torch.set_grad_enabled(grad and t >= grad_from):

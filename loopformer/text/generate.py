@@ -338,9 +338,9 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
             starts = (t == 0).view(B, 1, 1)
             pos = (plen + n).view(B, 1) if positions else None                         # as the left-padded path
             e = torch.where(starts, model.embed(tok.view(B, 1), pos), e)
-            x = torch.where(starts, e, h + e if inject else h)
+            x = torch.where(starts, e, h + model.injection(e, t) if inject else h)
         else:
-            x = h + e if inject else h
+            x = h + model.injection(e, t) if inject else h
         attend = seen if cfg.compile else seen[:, :width]   # compiled: every column (one shape, one graph)
         h, logits, holds, t, stop = tick(model, cache, rule, bound, x, h_prev, prev_logits, t, live, cols,
                                          attend, plen + n)  # keys/values written through to the later loops

@@ -26,6 +26,7 @@ from loopformer.device import DEVICES
 from loopformer.errors import UserError
 from loopformer.eval.config import EvalConfig
 from loopformer.model.config import ModelConfig
+from loopformer.model.layers import PARAM_GROUPS
 from loopformer.model.memory import loop_cap
 from loopformer.sources import TaskConfig, model_fields
 from loopformer.train.compiling import COMPILE_SCOPES
@@ -113,6 +114,10 @@ class TrainConfig:
     timestep_lr_mult: float = 0.1     # lr multiplier of the timestep embedder and the modulations (TMLT); 1: the
                                       # paper's single learning rate. See docs/tmlt-study.md
     timestep_weight_decay: float | None = None  # their weight decay (None: weight_decay)
+    freeze: list[str] = field(default_factory=list)  # parameter groups that keep the values they start with (not
+                                      # trained): any of embedding, block, timestep, modulation, past, head. E.g.
+                                      # [embedding, block, timestep, modulation, head] trains only the loops past r's
+                                      # own modulation (model.timestep_past: own) from train.init_from's weights
     exit_loss: str = "target"         # how a model's exit gate (model.exit_gate) learns: "target" (BCE on "the
                                       # read-out after loop t is already correct", as TRM) | "distribution" (the
                                       # per-loop losses weighted by the exit distribution, as Ouro); see
@@ -163,6 +168,9 @@ class TrainConfig:
         _need(self.compile_mode in COMPILE_MODES,
               f"train.compile_mode must be one of {COMPILE_MODES} (got {self.compile_mode!r})")
         _need(self.timestep_lr_mult > 0, f"train.timestep_lr_mult must be > 0 (got {self.timestep_lr_mult})")
+        self.freeze = list(self.freeze)
+        _need(all(g in PARAM_GROUPS for g in self.freeze) and len(set(self.freeze)) == len(self.freeze),
+              f"train.freeze lists parameter groups, each once, of {PARAM_GROUPS} (got {self.freeze})")
         _need(self.timestep_weight_decay is None or self.timestep_weight_decay >= 0,
               "train.timestep_weight_decay must be >= 0 (or null)")
         _need(self.exit_loss in EXIT_LOSSES, f"train.exit_loss must be one of {EXIT_LOSSES} (got {self.exit_loss!r})")

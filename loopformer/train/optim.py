@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from loopformer.errors import UserError
-from loopformer.model.layers import is_timestep_param
+from loopformer.model.layers import is_timestep_param, param_group
 from loopformer.train.config import TrainConfig
 
 
@@ -83,6 +83,21 @@ def steps_for(cfg_steps: int, epochs: float, n_train: int | None, batch_size: in
     if n_train is None:
         raise UserError("this task samples data on the fly: set train.steps instead of train.epochs")
     return max(1, math.ceil(epochs * n_train / batch_size))
+
+
+def freeze(model: torch.nn.Module, groups: list[str]) -> None:
+    """`train.freeze`: the parameters of these groups (`loopformer.model.layers.PARAM_GROUPS`) stop requiring
+    gradients, so the optimiser never holds them and they keep the values they start with. A UserError when that
+    leaves nothing to train."""
+    if not groups:
+        return
+    named = list(model.named_parameters())
+    for name, p in named:
+        if param_group(name) in groups:
+            p.requires_grad_(False)
+    if not any(p.requires_grad for _, p in named):
+        have = sorted({param_group(n) for n, _ in named})
+        raise UserError(f"train.freeze={groups} leaves no parameter to train (this model's groups: {have})")
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

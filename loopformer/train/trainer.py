@@ -69,7 +69,7 @@ from loopformer.train.losses import (
     supervised,
     supervised_count,
 )
-from loopformer.train.optim import curriculum_end, lr_at, make_optimizer, sample_loops, steps_for
+from loopformer.train.optim import curriculum_end, freeze, lr_at, make_optimizer, sample_loops, steps_for
 from loopformer.train.run import MetricsLog
 from loopformer.train.selection import BestKeeper, held_score
 from loopformer.train.sharding import (
@@ -312,7 +312,8 @@ class Trainer:
                                         "or set model.checkpoint=true")
         self.model = LoopedTransformer(cfg.model).to(d.device)
         if self.init_from is not None:          # fine-tuning: these weights, a fresh optimiser and schedule
-            load_weights(self.model, self.init_from, d.device)
+            load_weights(self.model, self.init_from, d.device, start_past=True)
+        freeze(self.model, tc.freeze)            # train.freeze: these groups keep the values they start with
         if d.sharded:                            # before the optimiser: sharding replaces the parameters
             shard_model(self.model, d.device, precision_for(cfg, d.device))
         self.optimizer = make_optimizer(self.model, tc)
@@ -591,7 +592,9 @@ class Trainer:
                             / (tc.grad_accum * N)
                 if self.trains_gate:   # a mean over this micro-batch: DDP averages it over processes
                     loss = loss + self._gate_loss(mb, out, per_loop_gate, n_micro)
-                if self.scaler is not None:
+                if not loss.requires_grad:       # train.freeze: this step's loss reads no trained parameter
+                    pass
+                elif self.scaler is not None:
                     self.scaler.scale(loss).backward()
                 else:
                     loss.backward()
@@ -624,6 +627,9 @@ class Trainer:
         d, tc = self.d, self.cfg.train
         if d.sharded:                            # the step's gradients are reduced: free the gathered weights
             reshard(self.model)
+        if all(p.grad is None for g in self.optimizer.param_groups for p in g["params"]):
+            self.gnorm = None                    # train.freeze: a step whose loss read no trained parameter (e.g.
+            return                               # R = r with only the loops past r trained) changes nothing
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if (d.main or d.sharded) and self.dyn_every and (step + 1) % self.dyn_every == 0:
