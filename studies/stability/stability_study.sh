@@ -17,6 +17,9 @@
 #                                                      #   SCREEN_EXTRA=model.timestep=true SCREEN_TAG=-tmlt: TMLT
 #   bash studies/stability/stability_study.sh confirm-schedule   # the combination CONFIRM (below) on the circuit, looped
 #   bash studies/stability/stability_study.sh confirm-pointer    #   and TMLT, seeds 0-4, paired with the baseline
+#   bash studies/stability/stability_study.sh settle-schedule    # the circuit's TMLT recipe as shipped, end to end
+#                                                      #   (configs/cpu/schedule-settle.yaml: learn, then the
+#                                                      #   loops past r's own parameters alone), seeds 0-4
 #   bash studies/stability/stability_study.sh collect            # tables and compact results into studies/stability/
 # Cost on 2 CPU cores: two runs at a time ($JOBS), one thread each.
 set -euo pipefail
@@ -115,10 +118,12 @@ stage() {
     screen-schedule)   screen schedule ;;
     confirm-schedule)  confirm schedule ;;
     confirm-pointer)   confirm pointer ;;
+    settle-schedule)   "$LF" sweep configs/cpu/schedule-settle.yaml --grid seed="$SEEDS" --out "$STUDY/settle-schedule" \
+                         "${SW[@]}" ;;
     collect)           collect studies/stability ;;
     *) echo "unknown stage: $1" >&2; exit 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,23p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
