@@ -182,9 +182,8 @@ def test_halting_target_loss_by_hand():
 
 
 # ------------------------------------------------------------------------------------------------- past the trained r
-def _tmlt_with_random_modulations() -> tuple[ModelConfig, LoopedTransformer]:
-    """A 3-loop TMLT whose timestep embedder and modulations are random (so every loop index modulates apart)."""
-    cfg = ModelConfig(vocab_size=16, max_len=8, d_model=16, n_heads=2, loops=3, timestep=True)
+def random_tmlt(cfg: ModelConfig) -> LoopedTransformer:
+    """A TMLT of `cfg` whose timestep embedder and modulations are random (so every loop index modulates apart)."""
     torch.manual_seed(0)
     model = LoopedTransformer(cfg)
     with torch.no_grad():
@@ -192,7 +191,13 @@ def _tmlt_with_random_modulations() -> tuple[ModelConfig, LoopedTransformer]:
             p.normal_()
         for blk in model.blocks:
             blk.modulation.weight.normal_()
-    return cfg, model
+    return model
+
+
+def _tmlt_with_random_modulations() -> tuple[ModelConfig, LoopedTransformer]:
+    """A 3-loop TMLT with random timestep parameters (`random_tmlt`)."""
+    cfg = ModelConfig(vocab_size=16, max_len=8, d_model=16, n_heads=2, loops=3, timestep=True)
+    return cfg, random_tmlt(cfg)
 
 
 def test_timestep_past_clamp_repeats_the_last_trained_loop():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_halting import random_tmlt
 from test_train import TINY
 
 from loopformer.cli import main
@@ -22,15 +23,7 @@ CFG = ModelConfig(vocab_size=16, max_len=8, d_model=16, n_heads=2, loops=3, time
 
 
 def _random_tmlt(cfg: ModelConfig) -> LoopedTransformer:
-    """A TMLT whose timestep embedder and modulations are random (every loop index modulates apart)."""
-    torch.manual_seed(0)
-    model = LoopedTransformer(cfg)
-    with torch.no_grad():
-        for p in model.timestep.parameters():
-            p.normal_()
-        for blk in model.blocks:
-            blk.modulation.weight.normal_(0.0, 0.3)
-    return model.eval()
+    return random_tmlt(cfg).eval()
 
 
 def _states(model: LoopedTransformer, x: torch.Tensor, loops: int) -> list[torch.Tensor]:

@@ -20,6 +20,9 @@
 #   bash studies/stability/stability_study.sh settle-schedule    # the circuit's TMLT recipe as shipped, end to end
 #                                                      #   (configs/cpu/schedule-settle.yaml: learn, then the
 #                                                      #   loops past r's own parameters alone), seeds 0-4
+#   bash studies/stability/stability_study.sh hold-own-schedule  # the recipe's hold stages alone
+#                                                      #   (configs/cpu/schedule-hold-own.yaml) from the first stages
+#                                                      #   of the tenth round: $FIRST/seed=S (links to those runs)
 #   bash studies/stability/stability_study.sh collect            # tables and compact results into studies/stability/
 # Cost on 2 CPU cores: two runs at a time ($JOBS), one thread each.
 set -euo pipefail
@@ -118,6 +121,9 @@ stage() {
     screen-schedule)   screen schedule ;;
     confirm-schedule)  confirm schedule ;;
     confirm-pointer)   confirm pointer ;;
+    hold-own-schedule) "$LF" sweep configs/cpu/schedule-hold-own.yaml --grid seed="$SEEDS" \
+                         "train.init_from=$(realpath "${FIRST:?set FIRST to a folder of seed=S run links}")/seed=\${seed}" \
+                         --out "$STUDY/hold-own-schedule" "${SW[@]}" ;;
     settle-schedule)   "$LF" sweep configs/cpu/schedule-settle.yaml --grid seed="$SEEDS" --out "$STUDY/settle-schedule" \
                          "${SW[@]}" ;;
     collect)           collect studies/stability ;;
@@ -125,5 +131,5 @@ stage() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,23p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
