@@ -170,9 +170,11 @@ def test_summarize_settle():
 
 
 def test_param_groups_and_grad_norms():
-    model = _model(timestep=True, timestep_gate_init=1.0)
+    model = _model(timestep=True, timestep_gate_init=1.0, timestep_past="own")
     names = {n: param_group(n) for n, _ in model.named_parameters()}
     assert set(names.values()) == set(PARAM_GROUPS)
+    assert names["blocks.0.past_modulation"] == names["past_injection"] == "past"
+    assert is_timestep_param("past_injection")
     assert names["timestep.mlp.0.weight"] == "timestep" and names["blocks.0.modulation.weight"] == "modulation"
     assert names["blocks.0.attn.qkv.weight"] == "block" and names["embed.tok.weight"] == "embedding"
     assert names["head.proj.weight"] == "head" and names["norm_f.weight"] == "head"
@@ -236,7 +238,7 @@ def test_trainer_logs_dynamics_without_changing_training(tmp_path):
         for k in ("gate_attn", "gate_mlp", "alpha_attn", "alpha_mlp", "update", "loop_loss", "loop_token_accuracy"):
             assert len(r[k]) == 3 and all(np.isfinite(r[k]))
         assert all(u >= 0 for u in r["update"])
-        assert {f"grad_norm_{g}" for g in PARAM_GROUPS} <= set(r)
+        assert {f"grad_norm_{g}" for g in PARAM_GROUPS if g != "past"} <= set(r)   # past: timestep_past=own only
         assert 1 <= r["settle_mean"] <= 3
 
 

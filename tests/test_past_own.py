@@ -56,7 +56,7 @@ def test_started_from_hold_weights_it_runs_as_the_hold_index(tmp_path):
     assert torch.equal(own.past_injection, torch.ones(16))
     x = torch.randint(0, 16, (3, 8))
     for a, b in zip(_states(hold, x, 9), _states(own, x, 9)):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)   # the same map, its modulation computed apart
 
 
 def test_gates_and_injection_at_zero_make_the_loops_past_r_the_identity():
