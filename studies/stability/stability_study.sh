@@ -121,9 +121,9 @@ stage() {
     screen-schedule)   screen schedule ;;
     confirm-schedule)  confirm schedule ;;
     confirm-pointer)   confirm pointer ;;
-    hold-own-schedule) "$LF" sweep configs/cpu/schedule-hold-own.yaml --grid seed="$SEEDS" \
+    hold-own-schedule) "$LF" sweep configs/cpu/schedule-hold-own.yaml \
                          "train.init_from=$(realpath "${FIRST:?set FIRST to a folder of seed=S run links}")/seed=\${seed}" \
-                         --out "$STUDY/hold-own-schedule" "${SW[@]}" ;;
+                         --grid seed="$SEEDS" --out "$STUDY/hold-own-schedule" "${SW[@]}" ;;
     settle-schedule)   "$LF" sweep configs/cpu/schedule-settle.yaml --grid seed="$SEEDS" --out "$STUDY/settle-schedule" \
                          "${SW[@]}" ;;
     collect)           collect studies/stability ;;
