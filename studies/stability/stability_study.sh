@@ -23,6 +23,7 @@
 #   bash studies/stability/stability_study.sh hold-own-schedule  # the recipe's hold stages alone
 #                                                      #   (configs/cpu/schedule-hold-own.yaml) from the first stages
 #                                                      #   of the tenth round: $FIRST/seed=S (links to those runs)
+#   bash studies/stability/stability_study.sh still-schedule     # its fifth stage alone, from settle-schedule's runs
 #   bash studies/stability/stability_study.sh collect            # tables and compact results into studies/stability/
 # Cost on 2 CPU cores: two runs at a time ($JOBS), one thread each.
 set -euo pipefail
@@ -113,6 +114,12 @@ confirm() {
   baseline "$1" "confirm-$1" "${CONFIRM[@]}"
 }
 
+# the recipe's fifth stage (configs/cpu/schedule-settle.yaml, `still`) alone: from the four-stage runs' weights, the
+# own parameters on draws to 4r with the fixed-point loss (the state, not only the read-out, held past R)
+STILL=(train.loops_hold=4 train.steps=400 train.lr=1.0e-2 train.eval_every=100 train.skip_spikes=0
+       train.timestep_lr_mult=1 train.keep_best=false train.fixed_point=0.1 train.fixed_point_loops=4
+       model.timestep_past=own "train.freeze=[embedding,block,timestep,modulation,head]")
+
 stage() {
   case "$1" in
     baseline-schedule) baseline schedule baseline-schedule ;;
@@ -124,6 +131,9 @@ stage() {
     hold-own-schedule) "$LF" sweep configs/cpu/schedule-hold-own.yaml \
                          "train.init_from=$(realpath "${FIRST:?set FIRST to a folder of seed=S run links}")/seed=\${seed}" \
                          --grid seed="$SEEDS" --out "$STUDY/hold-own-schedule" "${SW[@]}" ;;
+    still-schedule)    "$LF" sweep configs/cpu/schedule-hold-own.yaml "stages=[]" "${STILL[@]}" \
+                         "train.init_from=$(realpath "$STUDY/settle-schedule/runs")/seed=\${seed}" \
+                         --grid seed="$SEEDS" --out "$STUDY/still-schedule" "${SW[@]}" ;;
     settle-schedule)   "$LF" sweep configs/cpu/schedule-settle.yaml --grid seed="$SEEDS" --out "$STUDY/settle-schedule" \
                          "${SW[@]}" ;;
     collect)           collect studies/stability ;;
@@ -131,5 +141,5 @@ stage() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
