@@ -186,26 +186,25 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             te = F.silu(self.timestep(self.loop_indices(loops, device, offset)))       # SiLU(TE(t)): [R,D]
         mods = torch.stack([blk.loop_modulation(te) for blk in self.blocks], dim=1)   # [R,k,4,D] | [R,k,B,4,D]
         if self.config.timestep_past == "own":      # the loops past r: their own modulation, [k,4,D]
-            mods = torch.where(self._past_loops(loops, device, offset)[:, None, None, None],
-                               torch.stack([blk.past_modulation for blk in self.blocks]), mods)
+            past = self._is_past(torch.arange(offset, offset + loops, device=device))             # [R]
+            mods = torch.where(past[:, None, None, None], torch.stack([b.past_modulation for b in self.blocks]), mods)
         return mods if te.dim() == 2 else mods.transpose(2, 3).unsqueeze(-2)           # ... | [R,k,4,B,1,D]
 
-    def _past_loops(self, loops: int, device: torch.device, offset: int = 0) -> torch.Tensor:
-        """Which of loops offset..offset+R-1 lie past the trained r (t >= r; never with `step_timestep="restart"`,
-        whose index starts again every r loops).  [R] bool."""
-        t = torch.arange(offset, offset + loops, device=device)
-        return t >= self.config.loops if self.config.step_timestep != "restart" else torch.zeros_like(t, dtype=bool)
+    def _is_past(self, t: int | torch.Tensor) -> bool | torch.Tensor:
+        """Whether loop t (0-based; an int or a tensor of them) lies past the trained r: t >= r, never with
+        `step_timestep="restart"`, whose index starts again every r loops."""
+        return (t >= self.config.loops) & (self.config.step_timestep != "restart")
 
     def injection(self, e: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
         """What input injection adds to the state before loop t (0-based, counted as `loop_indices` counts; an int,
         or [B] for a loop per row): the read-in e; with `timestep_past="own"` the loops past r add β ⊙ e, β the
         learned `past_injection` (starts at 1), so that those loops can learn to stop adding the input."""
-        if self.past_injection is None or self.config.step_timestep == "restart":
+        if self.past_injection is None:
             return e
-        if isinstance(t, int):
-            return e * self.past_injection if t >= self.config.loops else e
-        past = (t >= self.config.loops).view(-1, *([1] * (e.dim() - 1)))                # [B,1,..]
-        return torch.where(past, e * self.past_injection, e)
+        past = self._is_past(t)
+        if isinstance(past, bool):
+            return e * self.past_injection if past else e
+        return torch.where(past.view(-1, *([1] * (e.dim() - 1))), e * self.past_injection, e)   # [B,1,..]
 
     @torch.no_grad()
     def start_past_modulation(self) -> None:

@@ -168,7 +168,6 @@ class TrainConfig:
         _need(self.compile_mode in COMPILE_MODES,
               f"train.compile_mode must be one of {COMPILE_MODES} (got {self.compile_mode!r})")
         _need(self.timestep_lr_mult > 0, f"train.timestep_lr_mult must be > 0 (got {self.timestep_lr_mult})")
-        self.freeze = list(self.freeze)
         _need(all(g in PARAM_GROUPS for g in self.freeze) and len(set(self.freeze)) == len(self.freeze),
               f"train.freeze lists parameter groups, each once, of {PARAM_GROUPS} (got {self.freeze})")
         _need(self.timestep_weight_decay is None or self.timestep_weight_decay >= 0,

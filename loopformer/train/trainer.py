@@ -592,12 +592,8 @@ class Trainer:
                             / (tc.grad_accum * N)
                 if self.trains_gate:   # a mean over this micro-batch: DDP averages it over processes
                     loss = loss + self._gate_loss(mb, out, per_loop_gate, n_micro)
-                if not loss.requires_grad:       # train.freeze: this step's loss reads no trained parameter
-                    pass
-                elif self.scaler is not None:
-                    self.scaler.scale(loss).backward()
-                else:
-                    loss.backward()
+                if loss.requires_grad:           # train.freeze: a loss that reads no trained parameter has none
+                    (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             with torch.no_grad():
                 self.acc_loss += s.detach().to(self.acc_dtype) / (k * N)
             return out
@@ -627,7 +623,7 @@ class Trainer:
         d, tc = self.d, self.cfg.train
         if d.sharded:                            # the step's gradients are reduced: free the gathered weights
             reshard(self.model)
-        if all(p.grad is None for g in self.optimizer.param_groups for p in g["params"]):
+        if tc.freeze and all(p.grad is None for g in self.optimizer.param_groups for p in g["params"]):
             self.gnorm = None                    # train.freeze: a step whose loss read no trained parameter (e.g.
             return                               # R = r with only the loops past r trained) changes nothing
         if self.scaler is not None:
