@@ -424,7 +424,8 @@ def test_a_family_of_claims_is_selected_by_the_start_of_its_ids():
     assert [c.id for c in select(reg, ["iso-depth"])] == ["iso-depth-lcs", "iso-depth-ed"]
     assert [c.id for c in select(reg, ["continuity-timestep", "iso-depth"])] == \
         [i for i in ids if i in ("continuity-timestep", "iso-depth-lcs", "iso-depth-ed")]
-    assert [c.id for c in select(reg, ["timestep"])] == ["timestep-helps", "timestep-holds-deep"]
+    assert [c.id for c in select(reg, ["timestep"])] == ["timestep-helps", "timestep-holds-deep",
+                                                        "timestep-settles-circuit"]
     assert [c.id for c in select(reg, ["iso-depth-lcs", "iso-depth"])] == ["iso-depth-lcs", "iso-depth-ed"]
     for bad in ("iso-dep", "deep", "iso-depth-"):      # a family ends at a dash boundary of the ids
         with pytest.raises(UserError, match="unknown claim"):

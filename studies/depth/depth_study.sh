@@ -29,7 +29,13 @@ STUDY=${STUDY:-sweeps/depth}
 # the loop curriculum the pointer-chasing runs were made with (16 loops, +2 every 100 steps); the config's default
 # now starts at 12 and adds 2 every 200 steps (docs/stability.md)
 POINTER_AS_RUN=(train.loops_start=16 train.loops_every=100)
-as_run() { [ "$1" != pointer ] || echo "${POINTER_AS_RUN[@]}"; }   # as_run TASK: its overrides, unquoted
+# the circuit's runs were made with the plain 2,000-step recipe; the config's default now adds state noise, 4,000
+# steps, spike skipping and the best validation weights (docs/stability.md)
+SCHEDULE_AS_RUN=(model.state_noise=0 train.steps=2000 train.skip_spikes=0 train.keep_best=false task.n_val=0
+                 train.eval_every=0 train.timestep_lr_mult=0.1)
+as_run() {   # as_run TASK: the overrides its runs were made with, unquoted
+  case "$1" in pointer) echo "${POINTER_AS_RUN[@]}" ;; schedule) echo "${SCHEDULE_AS_RUN[@]}" ;; esac
+}
 
 # looped and TMLT at r = 4, 16, 32 over seeds 0-2 (paired by seed): depth CONFIG OUT [override ...]
 depth() {
@@ -43,14 +49,15 @@ curve() {
 
 stage() {
   case "$1" in
-    schedule)       depth schedule schedule ;;
-    schedule-curve) curve schedule schedule-curve ;;
+    schedule)       depth schedule schedule "${SCHEDULE_AS_RUN[@]}" ;;
+    schedule-curve) curve schedule schedule-curve "${SCHEDULE_AS_RUN[@]}" ;;
     pointer)        depth pointer pointer "${POINTER_AS_RUN[@]}" ;;
     pointer-curve)  curve pointer pointer-curve "${POINTER_AS_RUN[@]}" ;;
     word)
       "$LF" sweep configs/cpu/word.yaml eval.max_loops=64 --grid model.loops=4,16,32 --out "$STUDY/word" "${SW[@]}" ;;
     distinct)
-      "$LF" sweep configs/cpu/schedule.yaml task.options.layers=8 task.options.period=0 eval.max_loops=32 \
+      "$LF" sweep configs/cpu/schedule.yaml "${SCHEDULE_AS_RUN[@]}" task.options.layers=8 task.options.period=0 \
+        eval.max_loops=32 \
         --grid seed=0,1,2 model.loops=8,16 model.timestep=false,true --out "$STUDY/distinct" "${SW[@]}" ;;
     no-targets)
       for t in schedule pointer; do
@@ -61,12 +68,13 @@ stage() {
     paper)
       for t in schedule pointer; do
         # shellcheck disable=SC2046
-        "$LF" sweep "configs/cpu/$t.yaml" model.timestep=true "${PAPER[@]}" eval.max_loops=64 $(as_run "$t") \
+        "$LF" sweep "configs/cpu/$t.yaml" $(as_run "$t") model.timestep=true "${PAPER[@]}" eval.max_loops=64 \
           --grid model.loops=16 --out "$STUDY/$t-paper" "${SW[@]}"
       done ;;
     standard)
       for t in schedule pointer; do
-        "$LF" sweep "configs/cpu/$t.yaml" model.loops=1 eval.max_loops=1 \
+        # shellcheck disable=SC2046
+        "$LF" sweep "configs/cpu/$t.yaml" $([ "$t" != schedule ] || as_run "$t") model.loops=1 eval.max_loops=1 \
           --grid model.n_layers=4,8 --out "$STUDY/$t-standard" "${SW[@]}"
       done ;;
     icl)
@@ -80,5 +88,5 @@ stage() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,23p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done

@@ -6,8 +6,11 @@
 # studies/stability/. Every run is evaluated after every loop up to 4r (eval.max_loops), so accuracy at r, 2r and 4r
 # and the drift past r come from the same run.
 #
-#   bash studies/stability/stability_study.sh baseline-schedule  # the circuit (K = 32) at r = 32 with the shipped recipe:
-#                                                      #   looped and TMLT, seeds 0-4 (10 runs of 2,000 steps)
+#   bash studies/stability/stability_study.sh baseline-schedule  # the circuit (K = 32) at r = 32 with the plain recipe (the
+#                                                      #   config's earlier default): looped and TMLT, seeds 0-4
+#                                                      #   (10 runs of 2,000 steps)
+#   bash studies/stability/stability_study.sh default-schedule   # ... with the config's default now (state noise, 4,000
+#                                                      #   steps, spike skipping, best weights), seeds $SEEDS
 #   bash studies/stability/stability_study.sh baseline-pointer   # pointer chasing (16 symbols, 12 hops) at r = 32 with the
 #                                                      #   shipped recipe: looped and TMLT, seeds 0-4 (10 runs of
 #                                                      #   4,000 steps, ~15 min each on one core)
@@ -32,9 +35,16 @@ STUDY=${STUDY:-sweeps/stability}
 . scripts/study_lib.sh
 SEEDS=${SEEDS:-0,1,2,3,4}
 
-# the shipped recipe of CONFIG at r = 32, looped and TMLT over $SEEDS (paired by seed): baseline CONFIG OUT [override ...]
+# the circuit's baseline and screens were run on the plain 2,000-step recipe; the config's default is now the
+# recipe this study found (state noise, 4,000 steps, spike skipping, the best validation weights; thirteenth round)
+SCHEDULE_AS_RUN=(model.state_noise=0 train.steps=2000 train.skip_spikes=0 train.keep_best=false task.n_val=0
+                 train.eval_every=0 train.timestep_lr_mult=0.1)
+as_run() { [ "$1" != schedule ] || echo "${SCHEDULE_AS_RUN[@]}"; }   # as_run CONFIG: its runs' overrides, unquoted
+
+# the recipe of CONFIG at r = 32, looped and TMLT over $SEEDS (paired by seed): baseline CONFIG OUT [override ...]
 baseline() {
-  "$LF" sweep "configs/cpu/$1.yaml" model.loops=32 eval.max_loops=128 "${@:3}" \
+  # shellcheck disable=SC2046
+  "$LF" sweep "configs/cpu/$1.yaml" model.loops=32 eval.max_loops=128 $(as_run "$1") "${@:3}" \
     --grid seed="$SEEDS" model.timestep=false,true --out "$STUDY/$2" "${SW[@]}"
 }
 
@@ -101,8 +111,8 @@ screen() {
   for entry in "${SCREENS[@]}"; do
     name=${entry%%:*}
     [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $name "* ]] || continue
-    # shellcheck disable=SC2086
-    "$LF" sweep "configs/cpu/$1.yaml" model.loops=32 eval.max_loops=128 ${entry#*:} ${SCREEN_EXTRA:-} \
+    # shellcheck disable=SC2046,SC2086
+    "$LF" sweep "configs/cpu/$1.yaml" model.loops=32 eval.max_loops=128 $(as_run "$1") ${entry#*:} ${SCREEN_EXTRA:-} \
       --grid seed="${SCREEN_SEEDS:-0,1}" --out "$STUDY/screen-$1-$name${SCREEN_TAG:-}" "${SW[@]}"
   done
 }
@@ -123,6 +133,8 @@ STILL=(train.loops_hold=4 train.steps=400 train.lr=1.0e-2 train.eval_every=100 t
 stage() {
   case "$1" in
     baseline-schedule) baseline schedule baseline-schedule ;;
+    default-schedule)  "$LF" sweep configs/cpu/schedule.yaml eval.max_loops=128 --grid seed="$SEEDS" \
+                         model.timestep=false,true --out "$STUDY/default-schedule" "${SW[@]}" ;;
     baseline-pointer)  baseline pointer baseline-pointer ;;
     screen-pointer)    screen pointer ;;
     screen-schedule)   screen schedule ;;
@@ -141,5 +153,5 @@ stage() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done
