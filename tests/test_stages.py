@@ -15,7 +15,7 @@ from test_train import TINY
 
 from loopformer.cli import main
 from loopformer.experiments.report import find_runs
-from loopformer.experiments.sweep import parse_grid, run_sweep
+from loopformer.experiments.sweep import RunSpec, parse_grid, run_progress, run_size, run_sweep
 from loopformer.train.config import load_run_config
 from loopformer.train.stages import run_stages, stage_configs, train_run
 from loopformer.train.trainer import Trainer, train
@@ -114,6 +114,26 @@ def test_sweeps_run_and_skip_staged_configs(tmp_path):
     stamps = [(s.out_dir / "results.json").stat().st_mtime_ns for s in specs]
     run_sweep(str(cfg), parse_grid(["seed=0,1"]), [], out, BASE, progress=False)     # finished: skipped
     assert stamps == [(s.out_dir / "results.json").stat().st_mtime_ns for s in specs]
+
+
+def test_a_sweep_sizes_and_follows_a_staged_run_over_its_stages(tmp_path):
+    cfg = _staged(tmp_path)
+    # stage 1: 3 steps at r = 2 loops; stage 2: 4 steps drawing 2..4 loops (loops_hold 2), 3 on average; one layer
+    assert run_size(cfg) == (3 + 4, 3 * 2 + 4 * 3.0)
+    assert run_size(stage_configs(cfg)[0]) == (3, 6.0)        # an unstaged config: its steps at r
+    calls = []
+
+    def kill(done):                                     # stage 1 runs 3 steps; stop stage 2 after its 2nd
+        calls.append(done)
+        if len(calls) == 5:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_stages(cfg, on_step=kill)
+    spec = RunSpec("run", [], tmp_path / "run", steps=7)
+    assert run_progress(spec) == (3 + 2, False)         # the finished first stage's steps and the second's so far
+    assert main(["train", "--resume", str(tmp_path / "run"), "--quiet"]) == 0
+    assert run_progress(spec) == (7, False)
 
 
 @pytest.mark.parametrize("stages,needle", [

@@ -48,12 +48,10 @@ from loopformer.experiments.claims import (
     verdict,
 )
 from loopformer.experiments.stale import POLICIES, resolve_stale
-from loopformer.experiments.sweep import RunSpec, run_specs
+from loopformer.experiments.sweep import RunSpec, run_size, run_specs
 from loopformer.fileio import check_owned_folder, write_figure, write_json, write_text
 from loopformer.model.flops import format_flops, forward_flops, layer_applications
-from loopformer.sources import source_class
 from loopformer.train.config import load_run_config
-from loopformer.train.optim import steps_for
 from loopformer.train.run import git_commit, read_results, stored_config
 
 SECONDS_PER_UNIT = 1.2e-10   # one thread of a 2-core machine: a demo run (LCS-6, r = 8, 3,000 steps) took 144 s
@@ -120,10 +118,9 @@ def _size(run: PlannedRun) -> None:
     """Check the run's config (a bad one fails before anything runs) and set its steps, its cost for the sweep's
     progress bar, its compute `units` and its `compute` per answer."""
     cfg = load_run_config(run.spec.config, [*run.spec.overrides, f"out_dir={run.spec.out_dir}"])
-    n_train = source_class(cfg.task).epoch_rows(cfg.task)
-    run.spec.steps = steps_for(cfg.train.steps, cfg.train.epochs, n_train, cfg.train.batch_size)
+    run.spec.steps, cost = run_size(cfg)
     m, T = cfg.model, cfg.model.max_len
-    run.spec.cost = float(run.spec.steps * m.loops * m.supervision_steps * m.n_layers)
+    run.spec.cost = cost * m.supervision_steps
     run.units = run.spec.cost * cfg.train.batch_size * T * (12 * m.d_model ** 2 + 2 * T * m.d_model)
     run.compute = {"seq_len": T, "loops": layer_applications(m), "flops": forward_flops(m, T)}
 

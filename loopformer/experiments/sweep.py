@@ -36,8 +36,8 @@ from loopformer.fileio import open_nofollow
 from loopformer.sources import source_class
 from loopformer.train.config import RunConfig, load_run_config
 from loopformer.train.optim import steps_for
-from loopformer.train.run import continuable, load_for_resume, read_metrics, stored_config
-from loopformer.train.stages import train_run
+from loopformer.train.run import STAGES_DIR, continuable, load_for_resume, read_metrics, stored_config
+from loopformer.train.stages import stage_configs, train_run
 
 RUNS = "runs"
 MAX_RUNS = 10_000    # the most runs one sweep's grid may hold (checked before any run is listed)
@@ -48,7 +48,7 @@ class RunSpec:
     name: str
     overrides: list[str]
     out_dir: Path
-    cost: float = 1.0                 # steps × loops × layers (for the progress bar and scheduling)
+    cost: float = 1.0                 # steps × mean loops × layers over its stages (progress bar, scheduling)
     steps: int = 1
     baseline: bool = False
     extra: dict = field(default_factory=dict)
@@ -110,30 +110,48 @@ def _config_of(config: str | None, spec: RunSpec, overrides: list[str]) -> RunCo
                                                    f"name={spec.name}"])
 
 
+def run_size(cfg: RunConfig) -> tuple[int, float]:
+    """(optimiser steps, compute in step × loop × layer units) of a run: over every stage of a staged config, each
+    step counted at its mean loop count — r, or (lo + hi) / 2 where steps draw their loop count from lo..hi
+    (`train.loops_hold`, `train.loops_sample`). Loads every stage's config strictly, so a bad one fails here."""
+    steps, cost = 0, 0.0
+    for c in stage_configs(cfg) if cfg.stages else [cfg]:
+        n_train = source_class(c.task).epoch_rows(c.task)
+        k = steps_for(c.train.steps, c.train.epochs, n_train, c.train.batch_size)
+        r = c.model.loops
+        lo, hi = c.train.budget_range(r) if c.train.samples_budgets else (r, r)
+        steps += k
+        cost += k * (lo + hi) / 2 * c.model.n_layers
+    return steps, cost
+
+
 def prepare_specs(config: str | None, specs: list[RunSpec], overrides: list[str]) -> None:
-    """Check every run's config (a bad one fails before anything runs) and estimate its cost."""
+    """Check every run's config (a bad one fails before anything runs) and estimate its cost (`run_size`)."""
     for s in specs:
-        cfg = _config_of(config, s, overrides)
-        n_train = source_class(cfg.task).epoch_rows(cfg.task)
-        s.steps = steps_for(cfg.train.steps, cfg.train.epochs, n_train, cfg.train.batch_size)
-        s.cost = float(s.steps * cfg.model.loops * cfg.model.n_layers)
+        s.steps, s.cost = run_size(_config_of(config, s, overrides))
 
 
 def _done(spec: RunSpec) -> bool:
     return (spec.out_dir / "results.json").is_file()
 
 
-def _state(spec: RunSpec) -> tuple[int, bool]:
-    """A run's steps finished so far and whether it is compiling its step, from one read of its metrics log."""
+def run_progress(spec: RunSpec) -> tuple[int, bool]:
+    """A run's steps finished so far (over its stages: each earlier stage's folder under STAGES_DIR, the last stage
+    in the run folder itself) and whether it is compiling its step, from one read of each metrics log."""
     if _done(spec):
         return spec.steps, False
-    steps, event = 0, None
-    for r in read_metrics(spec.out_dir):
-        if r.get("split") == "train":
-            steps = max(steps, r.get("step", 0))
-        elif r.get("split") == "event":
-            event = r.get("event")
-    return steps, event == "compiling"
+    stages = spec.out_dir / STAGES_DIR
+    folders = sorted(p for p in stages.iterdir() if p.is_dir()) if stages.is_dir() else []
+    total, event = 0, None
+    for folder in [*folders, spec.out_dir]:
+        steps = 0
+        for r in read_metrics(folder):
+            if r.get("split") == "train":
+                steps = max(steps, r.get("step", 0))
+            elif r.get("split") == "event":
+                event = r.get("event")
+        total += steps
+    return total, event == "compiling"
 
 
 def _command(config: str | None, spec: RunSpec, overrides: list[str], threads: int) -> list[str]:
@@ -238,7 +256,7 @@ def _run_parallel(config, todo: list[RunSpec], specs: list[RunSpec], overrides, 
                     if proc.returncode != 0:
                         failed.append(f"{name} (exit {proc.returncode}; see {log_dir / (name + '.log')})")
                     del running[name]
-            state = {s.name: _state(s) for s in specs}                  # (steps, compiling) per run
+            state = {s.name: run_progress(s) for s in specs}            # (steps, compiling) per run
             done = sum(s.cost * min(state[s.name][0], s.steps) / max(s.steps, 1) for s in specs)
             bar.n = round(done)
             post = {"runs": f"{sum(_done(s) for s in specs)}/{len(specs)}", "active": len(running)}
