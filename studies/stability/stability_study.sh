@@ -27,6 +27,12 @@
 #                                                      #   (configs/cpu/schedule-hold-own.yaml) from the first stages
 #                                                      #   of the tenth round: $FIRST/seed=S (links to those runs)
 #   bash studies/stability/stability_study.sh still-schedule     # its fifth stage alone, from settle-schedule's runs
+#   bash studies/stability/stability_study.sh lr-window-schedule # the config's default at lr 1e-3 and 4e-3 (2e-3: its
+#                                                      #   own), looped, seed 0
+#   bash studies/stability/stability_study.sh looped-hold-schedule  # the looped model's grown hold
+#                                                      #   (studies/stability/looped-hold.yaml, every parameter
+#                                                      #   trained, lr $LR, default 1e-4) from looped runs that
+#                                                      #   solve the circuit: $FIRST/seed=S
 #   bash studies/stability/stability_study.sh collect            # tables and compact results into studies/stability/
 # Cost on 2 CPU cores: two runs at a time ($JOBS), one thread each.
 set -euo pipefail
@@ -148,10 +154,16 @@ stage() {
                          --grid seed="$SEEDS" --out "$STUDY/still-schedule" "${SW[@]}" ;;
     settle-schedule)   "$LF" sweep configs/cpu/schedule-settle.yaml --grid seed="$SEEDS" --out "$STUDY/settle-schedule" \
                          "${SW[@]}" ;;
+    lr-window-schedule) "$LF" sweep configs/cpu/schedule.yaml eval.max_loops=128 --grid seed=0 train.lr=1e-3,4e-3 \
+                         --out "$STUDY/lr-window-schedule" "${SW[@]}" ;;
+    looped-hold-schedule)
+                       "$LF" sweep studies/stability/looped-hold.yaml "train.lr=${LR:-1e-4}" \
+                         "train.init_from=$(realpath "${FIRST:?set FIRST to a folder of seed=S runs}")/seed=\${seed}" \
+                         --grid seed="$SEEDS" --out "$STUDY/looped-hold-schedule-lr${LR:-1e-4}" "${SW[@]}" ;;
     collect)           collect studies/stability ;;
     *) echo "unknown stage: $1" >&2; exit 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,37p' "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done

@@ -28,6 +28,19 @@ def _verdict(acc: dict[str, float]) -> str:
     return "settling" if lost <= THRESHOLDS["settle_points"] else "marginal"
 
 
+def _grid_label(run: str) -> str:
+    """The run folder's grid values other than the seed and timestep encoding ("seed=0_lr=1e-3" -> "lr=1e-3"); a
+    part without "=" belongs to the next key (keys may hold underscores: "loops_hold=4")."""
+    parts, pending = [], ""
+    for tok in run.split("_"):
+        if "=" not in tok:
+            pending += tok + "_"
+            continue
+        parts.append(pending + tok)
+        pending = ""
+    return " ".join(p for p in parts if not p.startswith(("seed=", "timestep=")))
+
+
 def rows(stage: Path) -> list[dict]:
     out = []
     for f in sorted(stage.glob("runs/*/results.json")):
@@ -40,7 +53,8 @@ def rows(stage: Path) -> list[dict]:
         best = max(range(len(curve)), key=curve.__getitem__)
         drift = d.get("drift") or {}
         verdict = drift.get("verdict") or _verdict(acc)
-        out.append({"run": f.parent.name, "variant": d["variant"], "seed": d["seed"], "r": r, **acc,
+        variant = " ".join(filter(None, [d["variant"], _grid_label(f.parent.name)]))
+        out.append({"run": f.parent.name, "variant": variant, "seed": d["seed"], "r": r, **acc,
                     "best": curve[best], "best_t": best + 1, "time_min": d["train_time_s"] / 60,
                     "change_4r": drift["state_change"][4 * r - 1] if drift else None,
                     "rho": drift["spectral_radius"]["median"] if drift else None,
