@@ -33,6 +33,19 @@ def _staged(tmp_path, *extra):
     return load_run_config(None, [*BASE, STAGES, f"out_dir={tmp_path / 'run'}", *extra])
 
 
+def _stop_in_second_stage(cfg) -> None:
+    """Run `_staged`'s stages and stop them after the second stage's 2nd step (the first runs 3)."""
+    calls = []
+
+    def kill(done):
+        calls.append(done)
+        if len(calls) == 5:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_stages(cfg, on_step=kill)
+
+
 def test_stage_configs_apply_each_stage_and_chain_the_folders(tmp_path):
     cfg = _staged(tmp_path)
     first, last = stage_configs(cfg)
@@ -82,15 +95,7 @@ def test_an_interrupted_staged_run_resumes_where_it_stopped(tmp_path):
     whole.out_dir = str(tmp_path / "whole")
     run_stages(whole)
     cut = _staged(tmp_path, "train.eval_every=1")
-    calls = []
-
-    def kill(done):                                     # stage 1 runs 3 steps; stop stage 2 after its 2nd
-        calls.append(done)
-        if len(calls) == 5:
-            raise Killed
-
-    with pytest.raises(Killed):
-        run_stages(cut, on_step=kill)
+    _stop_in_second_stage(cut)
     root = tmp_path / "run"
     stamp = (root / "stages" / "1-learn" / "results.json").stat().st_mtime_ns
     assert not (root / "results.json").exists()
@@ -121,15 +126,7 @@ def test_a_sweep_sizes_and_follows_a_staged_run_over_its_stages(tmp_path):
     # stage 1: 3 steps at r = 2 loops; stage 2: 4 steps drawing 2..4 loops (loops_hold 2), 3 on average; one layer
     assert run_size(cfg) == (3 + 4, 3 * 2 + 4 * 3.0)
     assert run_size(stage_configs(cfg)[0]) == (3, 6.0)        # an unstaged config: its steps at r
-    calls = []
-
-    def kill(done):                                     # stage 1 runs 3 steps; stop stage 2 after its 2nd
-        calls.append(done)
-        if len(calls) == 5:
-            raise Killed
-
-    with pytest.raises(Killed):
-        run_stages(cfg, on_step=kill)
+    _stop_in_second_stage(cfg)
     spec = RunSpec("run", [], tmp_path / "run", steps=7)
     assert run_progress(spec) == (3 + 2, False)         # the finished first stage's steps and the second's so far
     assert main(["train", "--resume", str(tmp_path / "run"), "--quiet"]) == 0
