@@ -29,10 +29,7 @@ STUDY=${STUDY:-sweeps/depth}
 # the loop curriculum the pointer-chasing runs were made with (16 loops, +2 every 100 steps); the config's default
 # now starts at 12 and adds 2 every 200 steps (docs/stability.md)
 POINTER_AS_RUN=(train.loops_start=16 train.loops_every=100)
-# the circuit's runs were made with the plain 2,000-step recipe; the config's default now adds state noise, 4,000
-# steps, spike skipping and the best validation weights (docs/stability.md)
-SCHEDULE_AS_RUN=(model.state_noise=0 train.steps=2000 train.skip_spikes=0 train.keep_best=false task.n_val=0
-                 train.eval_every=0 train.timestep_lr_mult=0.1)
+# the circuit's runs were made with its plain 2,000-step recipe: SCHEDULE_AS_RUN (scripts/study_lib.sh)
 as_run() {   # as_run TASK: the overrides its runs were made with, unquoted
   case "$1" in pointer) echo "${POINTER_AS_RUN[@]}" ;; schedule) echo "${SCHEDULE_AS_RUN[@]}" ;; esac
 }

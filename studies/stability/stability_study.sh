@@ -41,10 +41,8 @@ STUDY=${STUDY:-sweeps/stability}
 . scripts/study_lib.sh
 SEEDS=${SEEDS:-0,1,2,3,4}
 
-# the circuit's baseline and screens were run on the plain 2,000-step recipe; the config's default is now the
-# recipe this study found (state noise, 4,000 steps, spike skipping, the best validation weights; thirteenth round)
-SCHEDULE_AS_RUN=(model.state_noise=0 train.steps=2000 train.skip_spikes=0 train.keep_best=false task.n_val=0
-                 train.eval_every=0 train.timestep_lr_mult=0.1)
+# the circuit's baseline and screens were run on its plain 2,000-step recipe (SCHEDULE_AS_RUN, scripts/study_lib.sh);
+# the config's default is now the recipe this study found (thirteenth round)
 as_run() { [ "$1" != schedule ] || echo "${SCHEDULE_AS_RUN[@]}"; }   # as_run CONFIG: its runs' overrides, unquoted
 
 # the recipe of CONFIG at r = 32, looped and TMLT over $SEEDS (paired by seed): baseline CONFIG OUT [override ...]
