@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The transfer study: do the shipped deep recipes train on settings of their tasks that nobody tuned them on?
+# A grid of task settings (table size, hops, circuit width, circuit seed, r = 32 and 48), each a `loopformer sweep`
+# of the shipped config with only the task's options and the loop count changed, looped and TMLT over $SEEDS.
+# Every run is evaluated after every loop up to 4r, so accuracy at r, 2r and 4r comes from one run. A recipe is
+# judged by the share of cells (setting x variant x seed) at >= 95 % at r, and at 2r and 4r where it holds.
+# The HELDOUT settings are kept out of every screen and run only for a final recipe.
+#
+#   bash studies/transfer/transfer_study.sh baseline circuit   # the shipped recipes on the screen settings
+#   bash studies/transfer/transfer_study.sh baseline pointer
+#   bash studies/transfer/transfer_study.sh heldout circuit    # ... on the held-out settings
+#   bash studies/transfer/transfer_study.sh collect            # compact results into studies/transfer/
+#
+# Runs go to $STUDY/<stage>/<setting> (default sweeps/transfer, ignored by git); re-running a stage completes it.
+# EXTRA="key=value ..." adds overrides to every run (a candidate recipe) and TAG names its stage (baseline-TAG).
+# Cost on one core: about 15 (circuit, r = 32) to 50 (pointer, r = 48) minutes a run; $JOBS runs at a time.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+STUDY=${STUDY:-sweeps/transfer}
+. scripts/study_lib.sh
+SEEDS=${SEEDS:-0,1}
+
+# name|config|overrides (r is model.loops; the circuit's depth K is r: one layer per loop)
+CIRCUIT=(
+  "w10-cs1-r32|schedule|task.options.width=10 task.options.circuit_seed=1 task.options.layers=32 model.loops=32"
+  "w14-cs2-r32|schedule|task.options.width=14 task.options.circuit_seed=2 task.options.layers=32 model.loops=32"
+  "w12-cs3-r48|schedule|task.options.width=12 task.options.circuit_seed=3 task.options.layers=48 model.loops=48"
+  "w8-cs4-r48|schedule|task.options.width=8 task.options.circuit_seed=4 task.options.layers=48 model.loops=48"
+)
+CIRCUIT_HELDOUT=(
+  "w16-cs5-r32|schedule|task.options.width=16 task.options.circuit_seed=5 task.options.layers=32 model.loops=32"
+  "w10-cs6-r48|schedule|task.options.width=10 task.options.circuit_seed=6 task.options.layers=48 model.loops=48"
+)
+POINTER=(
+  "s20-h14-r32|pointer|task.options.symbols=20 task.options.hops=14 model.loops=32"
+  "s12-h8-r32|pointer|task.options.symbols=12 task.options.hops=8 model.loops=32"
+  "s24-h16-r48|pointer|task.options.symbols=24 task.options.hops=16 model.loops=48"
+  "s32-h10-r48|pointer|task.options.symbols=32 task.options.hops=10 model.loops=48"
+)
+POINTER_HELDOUT=(
+  "s28-h12-r32|pointer|task.options.symbols=28 task.options.hops=12 model.loops=32"
+  "s16-h18-r48|pointer|task.options.symbols=16 task.options.hops=18 model.loops=48"
+)
+
+# run STAGE SETTING...: each setting's sweep, looped and TMLT over $SEEDS, evaluated after every loop up to 4r
+run() {
+  local stage=$1 spec name config overrides r
+  shift
+  for spec in "$@"; do
+    IFS='|' read -r name config overrides <<<"$spec"
+    r=${overrides##*model.loops=}
+    # shellcheck disable=SC2086
+    "$LF" sweep "configs/cpu/$config.yaml" $overrides eval.max_loops=$((4 * r)) ${EXTRA:-} \
+      --grid seed="$SEEDS" model.timestep=false,true --out "$STUDY/$stage/$name" "${SW[@]}"
+  done
+}
+
+settings() {   # settings SET TASK: the array's elements, one a line
+  case "$1-$2" in
+    screen-circuit) printf '%s\n' "${CIRCUIT[@]}" ;;
+    screen-pointer) printf '%s\n' "${POINTER[@]}" ;;
+    heldout-circuit) printf '%s\n' "${CIRCUIT_HELDOUT[@]}" ;;
+    heldout-pointer) printf '%s\n' "${POINTER_HELDOUT[@]}" ;;
+    *) echo "unknown task: $2 (circuit or pointer)" >&2; exit 2 ;;
+  esac
+}
+
+stage=${1:-}
+tag=${TAG:+-$TAG}
+case "$stage" in
+  baseline) mapfile -t specs < <(settings screen "${2:?task: circuit or pointer}"); run "baseline$tag" "${specs[@]}" ;;
+  heldout) mapfile -t specs < <(settings heldout "${2:?task: circuit or pointer}"); run "heldout$tag" "${specs[@]}" ;;
+  collect)
+    for d in "$STUDY"/*/; do STUDY=${d%/} collect "studies/transfer/$(basename "$d")"; done
+    .venv/bin/python studies/transfer/transfer_summary.py studies/transfer > studies/transfer/summary.md ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
+esac
