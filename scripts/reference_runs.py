@@ -9,7 +9,9 @@ SHA-256 of the final weights.
 
 Runs: edit distance, in-context linear regression, the Sudoku recipe (deep supervision, weight average, voting,
 the halting head), a Shakespeare language model (eval with per-token exits), an exit-gate model's halting
-evaluation (rules and a sweep), an elastic (budget-aware) model's budgets. About 3 minutes on one core.
+evaluation (rules and a sweep), an elastic (budget-aware) model's budgets, pointer chasing's TMLT through its loop
+curriculum to r = 32 and the draws past it, the circuit's recipe (state noise, spike skipping, the best weights).
+About 4 minutes on one core.
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ def reference(tmp: Path) -> dict:
                  "train.loops_sample=uniform", "train.loops_min=2", "train.loops_max=8", "eval.budgets=[1,2,4,8]"],
                 tmp, rec)
     _eval("elastic-budgets", el, ["--budgets", "1,2,4,8", "--halt", "kl:1e-2"], tmp, rec)
+    _train("pointer", str(cfg / "pointer.yaml"),            # the loop curriculum to r = 32, then draws r..4r
+           ["train.steps=100", *small, "model.loops=32", "model.timestep=true", "train.loops_every=8",
+            "eval.max_loops=64"], tmp, rec)
+    _train("circuit", str(cfg / "schedule.yaml"),           # state noise, spike skipping, the best weights kept
+           ["train.steps=60", *small, "task.n_val=50", "train.eval_every=20", "model.loops=8",
+            "task.options.layers=8", "model.timestep=true"], tmp, rec)
     return rec
 
 

@@ -94,7 +94,7 @@ def test_tmlt_solves_the_map_of_the_loop_index_past_r(past):
         torch.testing.assert_close(h, unrolled(X, loops=200).hidden, rtol=1e-9, atol=1e-9)
         e = m.embed(X)
         mods0 = m.modulations(1, X.device, offset=0)[0]
-        h0, _, _ = anderson(lambda z: m._block(z + e, mods0, None, None, 0), torch.zeros_like(e), max_iter=60,
+        h0, _, _ = anderson(lambda z: m.block(z + e, mods0, None, None, 0), torch.zeros_like(e), max_iter=60,
                             tol=1e-12)
     assert (h - h0).abs().max() > 1e-6
 

@@ -12,6 +12,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "loopformer"
 
 LAYERS = {                      # higher imports lower, never the other way
+    "lab": 10,                  # experiments through the extension point: nothing in loopformer imports them
     "cli": 9,
     "experiments": 8, "analysis": 8,
     "train": 7,
@@ -98,3 +99,33 @@ def test_no_circles():
     for m in sorted(GRAPH):
         if m not in state:
             visit(m)
+
+
+# attributes of objects that are not loopformer's: torch.compile's wrapped module, a multiprocessing pool's workers
+FOREIGN_PRIVATE = {"_orig_mod", "_processes"}
+
+
+def _private_uses(path: Path) -> list[str]:
+    """Where a module reaches into another's private names: `obj._name` on anything but `self` / `cls`, and
+    `from loopformer.x import _name`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
+                    and node.attr not in FOREIGN_PRIVATE:
+                out.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("loopformer"):
+            out += [f"line {node.lineno}: import {a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_uses_another_modules_private_names(name):
+    assert _private_uses(MODULES[name]) == [], f"{name} uses private names of another module"
+
+
+def test_the_private_name_check_finds_a_planted_use(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from loopformer.model.x import _hidden\n\ndef f(model):\n    return model._block(1)\n")
+    assert _private_uses(planted) == ["line 1: import _hidden", "line 4: ._block"]

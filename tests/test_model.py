@@ -162,7 +162,7 @@ def test_truncated_backprop_same_forward_and_no_gradient_from_early_loops():
     ref.load_state_dict(full.state_dict())
     ref.zero_grad()
     mods = ref.modulations(5, x.device)
-    h5 = ref._block(h4, mods[4], None, None, 4)
+    h5 = ref.block(h4, mods[4], None, None, 4)
     ref.head(ref.norm_f(h5)).square().mean().backward()
     for name in ("blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.weight"):
         torch.testing.assert_close(g_trunc[name], dict(ref.named_parameters())[name].grad, rtol=1e-4, atol=1e-7)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from loopformer.errors import UserError
+from loopformer.model.extensions import check as check_extensions
 from loopformer.model.fixedpoint import check as check_fixed_point
 from loopformer.model.lengths import check as check_loop_rule
 from loopformer.model.stability import check as check_stabilisers
@@ -88,21 +90,13 @@ class ModelConfig:
                                       # weights without them (train.init_from): the hold index's modulation (t = r)
                                       # and β = 1. Weights of their own: set it before training
     input_injection: bool = False     # add the read-in embedding before every loop after the first
-    # stabilisers of deep loops (loopformer.model.stability; docs/stability.md): all off by default
+    # the start state and state noise (loopformer.model.stability)
     start_state: str = "input"        # h_0: "input" (the read-in e) | "zeros" (0, e injected before the first loop
-                                      # too) | "noise" (training: σ·RMS(e)·ε with σ = start_noise; evaluation: 0);
-                                      # zeros / noise need input_injection
-    start_noise: float = 1.0          # σ of the "noise" start, relative to the read-in's RMS
+                                      # too; needs input_injection)
     state_noise: float = 0.0          # training only: h_t += σ·RMS(h_t)·ε after every loop (0: off)
-    loop_scale: str = "none"          # the residual branches' scale: "none" | "rsqrt" (1/√r) | "inv" (1/r), r = loops |
-                                      # "layerscale" (a learned vector per branch, started at layerscale_init)
-    layerscale_init: float = 0.1
-    sandwich_norm: bool = False       # an RMSNorm on each branch's output too (norms on both sides of the branch)
-    grad_window: int | None = None    # training: the carried state is detached every grad_window loops, so each
-                                      # loop's loss backpropagates through at most that many loops (null: all)
-    forget_gate: bool = False         # a learned forget gate on the carried state (loopformer.model.gating):
-                                      # h_{t+1} = f ⊙ h_t + (TF(h_t + e) − h_t), f = σ(w ⊙ RMSN(TF(·)) + b) in (0, 1)
-    forget_gate_bias: float = 4.0     # b's start (w starts at 0): f = σ(4) ≈ 0.98, near the plain loop
+    extensions: dict[str, Any] = field(default_factory=dict)  # experiments on the loop by name, with their options
+                                      # (loopformer.model.extensions), e.g. {noise_start: {sigma: 1.0}}; the lab's:
+                                      # noise_start, sandwich_norm
     # the fixed-point mode (loopformer.model.fixedpoint; docs/stability.md): solve h* = TF(h* + e, r − 1)
     solver: str = "unroll"            # "unroll" (the loop as written) | "anderson" | "broyden" (needs input_injection)
     solver_tol: float = 1e-3          # stop when every row's ‖F(h) − h‖ / ‖F(h)‖ is at most this (0: max iterations)
@@ -164,6 +158,7 @@ class ModelConfig:
                  f"pos_factors: every factor needs a non-negative index for each of the max_len={self.max_len} "
                  f"positions (got {len(f)} entries)")
         check_stabilisers(self)
+        check_extensions(self)
         check_fixed_point(self)
         check_loop_rule(self)
         need(self.activation in _ACTIVATIONS, f"activation must be one of {_ACTIVATIONS} (got {self.activation!r})")
@@ -195,7 +190,6 @@ class ModelConfig:
         need(self.step_timestep in ("continue", "restart"),
              f"step_timestep must be 'continue' or 'restart' (got {self.step_timestep!r})")
         need(self.grad_loops is None or self.grad_loops >= 1, "grad_loops must be >= 1 (or null for all loops)")
-        need(self.grad_window is None or self.grad_window >= 1, "grad_window must be >= 1 (or null for all loops)")
         need(self.compat in ("none", "authors"), f"compat must be 'none' or 'authors' (got {self.compat!r})")
         if self.tie_embeddings:
             need(self.vocab_size > 0 and self.head == "lm" and self.out_dim == self.vocab_size,
@@ -242,6 +236,36 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+# fields that left the core (docs/architecture.md, "What left the core"): their defaults, which old configs and
+# checkpoints hold and which are dropped on reading; set otherwise they are refused, or turned into their extension
+REMOVED = {"loop_scale": "none", "layerscale_init": 0.1, "sandwich_norm": False, "grad_window": None,
+           "forget_gate": False, "forget_gate_bias": 4.0, "start_noise": 1.0}
+BEFORE_SPLIT = "before-core-split"   # the code's tag before they left: runs that used them run from there
+
+
+def migrate(data: dict) -> dict:
+    """A model section (a YAML's `model:`, a checkpoint's config.json) written before some fields left the core,
+    in today's form: a removed field at its default dropped; `sandwich_norm: true` and `start_state: noise` (with
+    its `start_noise`) turned into their lab extensions; any other removed field set → a ValueError naming it."""
+    if not isinstance(data, dict) or not (set(data) & set(REMOVED) or data.get("start_state") == "noise"):
+        return data
+    data = dict(data)
+    ext = dict(data.get("extensions") or {})
+    if data.pop("sandwich_norm", False) is True:
+        ext["sandwich_norm"] = {}
+    sigma = data.pop("start_noise", 1.0)
+    if data.get("start_state") == "noise":
+        data["start_state"] = "input"
+        ext["noise_start"] = {"sigma": sigma}
+    for key, default in REMOVED.items():
+        if key in data and data.pop(key) != default:
+            raise ValueError(f"model.{key} has left loopformer (its study found it did not help); runs that used it "
+                             f"run from the tag {BEFORE_SPLIT}")
+    if ext:
+        data["extensions"] = ext
+    return data
 
 
 _GPT2_VOCAB = 50304  # 50257 padded to a multiple of 64, as in the authors' code

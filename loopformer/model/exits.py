@@ -23,7 +23,6 @@ import torch
 from loopformer.errors import UserError
 from loopformer.model.cache import KVCache, RunningKV
 from loopformer.model.fixedpoint import require_unroll
-from loopformer.model.gating import update
 from loopformer.model.halting import HaltRule, criterion_holds, stops, update_streak
 from loopformer.model.options import LoopOptions, LoopOutput
 
@@ -80,7 +79,7 @@ def halting_forward(model: torch.nn.Module, x: torch.Tensor, halt: HaltRule | st
     B, T = x.shape[:2]
     if per_token and cache is None:   # a temporary cache holds the frozen keys/values of stopped tokens
         cache = model.new_cache(B, max_len=T, loops=R)
-    mods = model._loop_modulations(R, x.device, cache, prepared=True)              # [R,k,4,D] | None
+    mods = model.loop_modulations(R, x.device, cache, prepared=True)              # [R,k,4,D] | None
     P = opts.halt_positions if opts.halt_positions is not None else \
         (attn_mask[:, past:].bool() if attn_mask is not None and T > 1 else None)  # [B,T] | None: all
     tokenwise = per_token and T > 1              # one new token per row (generation): its row is its token
@@ -115,7 +114,7 @@ def halting_forward(model: torch.nn.Module, x: torch.Tensor, halt: HaltRule | st
         exits = exits[:, None]                                                     # [B,1]
     if cache is not None:
         cache.length += T
-    out = model._read_out(h_out, None, attn_mask, int(exits.max()))                # L2
+    out = model.read_out(h_out, None, attn_mask, int(exits.max()))                # L2
     out.exit_loops = exits
     return out
 
@@ -127,10 +126,9 @@ def _loop(model: torch.nn.Module, rule: HaltRule, rows: Running, mods, cache: KV
     cfg = model.config
     going = rows.going
     all_going = going is None or bool(going.all())
-    inp = rows.h + model.injection(rows.e, t) if (t > 0 and cfg.input_injection) else rows.h
     rows.kv = RunningKV(cache, rows.run, going, len(model.blocks), all_going) if cache is not None else None
-    h_new = model._block(inp, None if mods is None else mods[t], rows.mask, rows.kv, t, rope=rows.rope)
-    h_new = update(model.forget, rows.h, h_new)      # the forget gate (`loopformer.model.gating`; off: h_new)
+    h_new = model.step(rows.h, rows.e if (t > 0 and cfg.input_injection) else None, t,    # h <- TF(h + e, t)
+                       None if mods is None else mods[t], rows.mask, rows.kv, rows.rope)
     if not all_going:                                # stopped tokens keep their state
         h_new = torch.where(going[..., None], h_new, rows.h)
     logits = model.head(model.norm_f(h_new), None if attn_mask is None else attn_mask[rows.run]) \

@@ -50,7 +50,7 @@ How the mode composes (every refusal is one line, a ValueError for config fields
     exit gate, halting rules, key/value caches, row_loops (a loop count per row)
                      refused: the solver stops by its residual, and these run (or stop) the unrolled loop per loop
     start_state      the solver's initial guess: 0 for "input" and "zeros" (F(0) = TF(e) is the unrolled first loop),
-                     the noise start in training for "noise"; a carried `state` is a warm start
+                     or an extension's start (the lab's noise start, in training); a carried `state` is a warm start
     state_noise, dropout
                      refused: they change F between iterations, so there is no fixed point to solve for
     supervision_steps > 1, grad_loops
@@ -84,7 +84,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from loopformer.errors import UserError
-from loopformer.model.stability import start_state
 
 SOLVERS = ("unroll", "anderson", "broyden")
 ANDERSON_HISTORY = 5          # m: iterates mixed by Anderson acceleration
@@ -294,16 +293,16 @@ def loop_map(model, e: torch.Tensor, mask: torch.Tensor | None, rope=None) -> Ma
     t_star = model.config.loops - (model.config.timestep_past not in ("hold", "own"))
     mods = model.modulations(1, e.device, offset=t_star)                                 # [1,k,4,D] | None
     mods_t = None if mods is None else mods[0]
-    inj = model.injection(e, t_star)                  # e (the loops past r's β ⊙ e with timestep_past="own")
-    return lambda h: model._block(h + inj, mods_t, mask, None, 0, rope=rope)
+    return lambda h: model.step(h, e, t_star, mods_t, mask, rope=rope, slot=0)   # injects e (past r with "own": β ⊙ e)
 
 
-def initial_guess(e: torch.Tensor, cfg, training: bool, state: torch.Tensor | None) -> torch.Tensor:
-    """The solver's start [B,T,D]: a carried `state` (a warm start), else the start state's h_0 — 0 for "input"
-    (F(0) = TF(e), the unrolled first loop) and "zeros", the noise start in training for "noise" — detached."""
+def initial_guess(model, e: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+    """The solver's start [B,T,D]: a carried `state` (a warm start), else the model's start state h_0
+    (`LoopedTransformer.start`) — 0 for "input" (F(0) = TF(e), the unrolled first loop) and "zeros", an extension's
+    start (the lab's noise start in training) — detached."""
     if state is not None:
         return state.detach()
-    h0 = start_state(e, cfg, training)
+    h0 = model.start(e)
     return (torch.zeros_like(e) if h0 is None else h0).detach()
 
 
@@ -326,7 +325,7 @@ def fixed_point(model, e: torch.Tensor, mask: torch.Tensor | None, state: torch.
     max_iter = cfg.solver_max_iter or loops
     trace: list[torch.Tensor] | None = [] if return_all else None
     with torch.no_grad():
-        x, n, res = SOLVE[cfg.solver](F, initial_guess(e, cfg, model.training, state), max_iter=max_iter,
+        x, n, res = SOLVE[cfg.solver](F, initial_guess(model, e, state), max_iter=max_iter,
                                       tol=cfg.solver_tol, trace=trace)
     info = SolveInfo(cfg.solver, n, res)
     back = Backward.parse(cfg.solver_backward)
@@ -383,7 +382,7 @@ def check(cfg) -> None:
         (cfg.supervision_steps != 1, f"{s} runs to the fixed point: supervision_steps must be 1"),
         (cfg.grad_loops is not None, f"{s} keeps no unrolled loops: grad_loops must be null"),
         (cfg.state_noise > 0, f"{s} needs one map F: state_noise changes it between iterations (use "
-                              "start_state=noise for a random initial guess)"),
+                              "extensions.noise_start for a random initial guess)"),
         (cfg.dropout > 0, f"{s} needs one map F: dropout draws a new mask at every iteration (set dropout=0)"),
     ]
     for bad, msg in refusals:

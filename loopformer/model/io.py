@@ -38,7 +38,7 @@ from safetensors.torch import load_model, save_model
 from loopformer.configio import from_dict, to_dict
 from loopformer.errors import UserError
 from loopformer.fileio import check_owned_folder, new_folder, owner_dead
-from loopformer.model.config import ModelConfig
+from loopformer.model.config import ModelConfig, migrate
 from loopformer.model.looped import LoopedTransformer, unwrap
 from loopformer.model.memory import check_fits, param_count
 from loopformer.version import __version__
@@ -235,6 +235,10 @@ def read_config(path: str | os.PathLike, weights: bool = True) -> tuple[ModelCon
                         else None)]:
         if value is not None and not isinstance(value, dict):
             raise UserError(f"{p / CONFIG}: {key} must be a JSON object (got {type(value).__name__})")
+    try:
+        data = migrate(data)                 # fields that left the core since the checkpoint was written
+    except ValueError as exc:
+        raise UserError(f"{p / CONFIG}: {exc}") from None
     return from_dict(ModelConfig, data), extra
 
 

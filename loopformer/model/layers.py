@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from loopformer.model.cache import KVCache
 from loopformer.model.config import ModelConfig
-from loopformer.model.stability import BranchOut, has_branch_out
+from loopformer.model.extensions import branch_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
@@ -210,9 +210,9 @@ class Layer(nn.Module):
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
-        # stabilisers (loopformer.model.stability): sandwich norm and the branch scale on each branch's output
-        self.post_attn = BranchOut(cfg, RMSNorm(cfg.d_model, True, cfg.norm_eps)) if has_branch_out(cfg) else None
-        self.post_mlp = BranchOut(cfg, RMSNorm(cfg.d_model, True, cfg.norm_eps)) if has_branch_out(cfg) else None
+        # what each branch's output passes before the add, where an extension gives it (e.g. the sandwich norm)
+        self.post_attn = branch_out(cfg)
+        self.post_mlp = branch_out(cfg)
         # TMLT: SiLU(TE(t)) -> [γ1, γ2, s1, s2] (the authors' chunk order: gate_attn, gate_mlp, scale_attn, scale_mlp)
         with torch.random.fork_rng(devices=[]):   # draws nothing (see LoopedTransformer.reset_parameters)
             self.modulation = nn.Linear(cfg.d_model, 4 * cfg.d_model) if cfg.timestep else None
@@ -270,7 +270,7 @@ class Layer(nn.Module):
 
     def _residuals(self, x: torch.Tensor, a: torch.Tensor, m: Modulation | None) -> torch.Tensor:
         """X' = X + (γ1 ⊙) a with a the attention output, then X' + (γ2 ⊙) FF((α2 ⊙) RMSN(X')); with a stabiliser
-        each branch output passes its `BranchOut` (sandwich norm, scale c) before the add."""
+        each branch output passes its extension's module (`post_attn`, `post_mlp`) before the add."""
         if self.post_attn is not None:
             return self._residuals_stabilised(x, a, m)
         if m is None:
@@ -280,7 +280,7 @@ class Layer(nn.Module):
         return torch.addcmul(x, m.gate_mlp, self.mlp(m.norm(self.norm2, x, m.alpha_mlp)))
 
     def _residuals_stabilised(self, x: torch.Tensor, a: torch.Tensor, m: Modulation | None) -> torch.Tensor:
-        """`_residuals` with X' = X + (γ1 ⊙) c ⊙ RMSN(a) and X'' = X' + (γ2 ⊙) c ⊙ RMSN(FF(·)) (norms: sandwich)."""
+        """`_residuals` with X' = X + (γ1 ⊙) P(a) and X'' = X' + (γ2 ⊙) P(FF(·)), P the branch's output module."""
         a = self.post_attn(a)
         x = x + a if m is None else torch.addcmul(x, m.gate_attn, a)
         f = self.post_mlp(self.mlp(self.norm2(x) if m is None else m.norm(self.norm2, x, m.alpha_mlp)))

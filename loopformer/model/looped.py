@@ -37,8 +37,9 @@ from loopformer.errors import UserError
 from loopformer.model.cache import DepthwiseKV, KVCache
 from loopformer.model.config import ModelConfig
 from loopformer.model.exits import halting_forward
+from loopformer.model.extensions import build as build_extensions
+from loopformer.model.extensions import changes_state
 from loopformer.model.fixedpoint import fixed_point, require_unroll
-from loopformer.model.gating import ForgetGate, update
 from loopformer.model.halting import ExitGate, HaltRule
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import (
@@ -51,7 +52,7 @@ from loopformer.model.layers import (
     rope_tables,
 )
 from loopformer.model.options import PLAIN, Begin, LoopOptions, LoopOutput
-from loopformer.model.stability import cut, perturb, start_state
+from loopformer.model.stability import perturb, start_state
 
 
 def unwrap(model: torch.nn.Module) -> "LoopedTransformer":
@@ -76,7 +77,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         self.norm_f = RMSNorm(cfg.d_model, True, cfg.norm_eps) if cfg.final_norm else nn.Identity()
         self.head = Head(cfg)                                                       # L2
         self.exit_gate = ExitGate(cfg.d_model, eps=cfg.norm_eps) if cfg.exit_gate else None   # stop logits
-        self.forget = ForgetGate(cfg.d_model, cfg.forget_gate_bias, cfg.norm_eps) if cfg.forget_gate else None
+        self.extensions = build_extensions(cfg)   # experiments on the loop (`loopformer.model.extensions`)
         # timestep_past="own" with input injection: the loops past r add β ⊙ e (β learned, starts at 1)
         self.past_injection = nn.Parameter(torch.ones(cfg.d_model)) \
             if cfg.timestep and cfg.timestep_past == "own" and cfg.input_injection else None
@@ -96,8 +97,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         is exactly the untrained looped model of that seed (paired comparisons).
         """
         std = self.config.init_std
-        named = [(n, p) for n, p in self.named_parameters()     # the gates draw nothing, nor the loops past r's
-                 if not n.startswith(("exit_gate.", "forget.")) and param_group(n) != "past"]   # own parameters
+        named = [(n, p) for n, p in self.named_parameters()     # the gate draws nothing, nor the loops past r's
+                 if not n.startswith(("exit_gate.", "extensions.")) and param_group(n) != "past"]   # own parameters
         for name, p in [*((n, p) for n, p in named if not is_timestep_param(n)),
                         *((n, p) for n, p in named if is_timestep_param(n))]:
             if name.endswith("bias"):
@@ -114,15 +115,12 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             self.timestep.step_mlp[2].weight.zero_()   # MLP_Δ starts at zero: the paper's TE(t) at R = r
         for blk in self.blocks:
             blk.reset_modulation(self.config.timestep_gate_init)
-            for out in (blk.post_attn, blk.post_mlp):
-                if out is not None:
-                    out.reset_parameters()   # LayerScale's small start (the loop above set every vector to 1)
         if self.past_injection is not None:
             self.past_injection.fill_(1.0)
         if self.exit_gate is not None:
             self.exit_gate.reset_parameters()
-        if self.forget is not None:
-            self.forget.reset_parameters()
+        for ext in self.extensions:
+            ext.reset_parameters()
 
     # ------------------------------------------------------------------ helpers
     def num_params(self, exclude_positions: bool = False) -> int:
@@ -239,72 +237,111 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             if opts.state is not None or opts.loop_offset:
                 raise UserError("halting runs from the read-in: state and loop_offset cannot be combined with it")
             return halting_forward(self, x, halt, loops, attn_mask, positions, cache, opts)
-        cfg = self.config
-        run = self.begin(x, loops, attn_mask, positions, cache)                       # R, e [B,T,D], mask
-        R, e, mask = run.loops, run.e, run.mask
-        rows = None if opts.row_loops is None else self._check_rows(x, opts.row_loops, R, cache)   # [B]
-        if cfg.solver != "unroll":                   # the fixed-point mode: h* = TF(h* + e, r − 1), no unrolled loop
-            h, states, solved = fixed_point(self, e, mask, opts.state, R, return_all, rows, run.rope)
-            return replace(self._read_out(h, states, attn_mask, solved.iters, opts.read_at, opts.read_loops),
+        run = self.begin(x, loops, attn_mask, positions, cache, opts)                 # R, e [B,T,D], mask
+        if self.config.solver != "unroll":           # the fixed-point mode: h* = TF(h* + e, r − 1), not unrolled
+            h, states, solved = fixed_point(self, run.e, run.mask, opts.state, run.loops, return_all, run.rows,
+                                            run.rope)
+            return replace(self.read_out(h, states, attn_mask, solved.iters, opts.read_at, opts.read_loops),
                            solve=solved)
-        mods = self._loop_modulations(R, x.device, cache, opts.loop_offset,           # [R,k,4,D] | None
-                                      rows if rows is not None and opts.budget is None else opts.budget,
-                                      prepared=True)
-        grad = torch.is_grad_enabled()
-        grad_from = R - cfg.grad_loops if (grad and cfg.grad_loops is not None) else 0   # truncated backprop
-        use_ckpt = cfg.checkpoint and grad and cache is None
-        sparse = opts.read_only and opts.read_at is not None and cache is None and rows is None \
-            and cfg.dropout == 0 and (mods is None or mods.dim() == 4) and self.forget is None   # last loop: read_at
-        h0 = start_state(e, cfg, self.training) if opts.state is None else opts.state  # None: start from e itself
-        h, states = (e if h0 is None else h0), []
-        for t in range(R):                          # ---- the loop:  h <- TF(h (+ e), t) (gated: - (1-f) h) ----
-            h = h_prev = cut(h, cfg, t, grad and self.training)   # a gradient window starts (`grad_window`)
-            if (t > 0 or h0 is not None) and cfg.input_injection:
-                h = h + self.injection(e, opts.loop_offset + t)
-            mods_t = None if mods is None else mods[t]
-            at = opts.read_at if sparse and t == R - 1 else None                       # -> h: [N,D]
-            with torch.set_grad_enabled(grad and t >= grad_from):
-                if use_ckpt and t >= grad_from:
-                    h = checkpoint(self._block, h, mods_t, mask, None, t, at, run.rope, use_reentrant=False)
-                else:
-                    h = self._block(h, mods_t, mask, cache, t, at, run.rope)
-            h = update(self.forget, h_prev, h)      # the forget gate (`loopformer.model.gating`; off: h itself)
-            h = perturb(h, cfg, self.training)      # state noise (training only; `loopformer.model.stability`)
-            if rows is not None:                     # rows past their own loop count keep their state
-                h = torch.where((rows > t)[:, None, None], h, h_prev)
+        h, states = run.h0, []                                                         # [B,T,D]
+        for t in range(run.loops):                  # ---- the loop (Eq. 3):  h <- TF(h + e, t),  [B,T,D] ----
+            with torch.set_grad_enabled(run.grad and t >= run.grad_from):    # a no-grad prefix: truncated backprop
+                h = self._loop(h, t, run)
             if return_all:
                 states.append(h)
         if cache is not None:
             cache.length += x.shape[1]
-        return self._read_out(h, states if return_all else None, attn_mask, R, opts.read_at, opts.read_loops)  # L2
+        return self.read_out(h, states if return_all else None, attn_mask, run.loops, opts.read_at,
+                             opts.read_loops)                                          # L2
+
+    def start(self, e: torch.Tensor) -> torch.Tensor | None:
+        """The state the first loop starts from for read-in e [B,T,D]: `start_state` ("input": None, the loop starts
+        from e itself; "zeros": 0, with e injected before the first loop), then each extension's `start`."""
+        h0 = start_state(e, self.config)
+        for ext in self.extensions:
+            h0 = ext.start(e, h0, self.training)
+        return h0
+
+    def step(self, h: torch.Tensor, e: torch.Tensor | None, t: int | torch.Tensor, mods_t=None,
+             mask: torch.Tensor | None = None, cache=None, rope=None, at: torch.Tensor | None = None,
+             slot: int | None = None) -> torch.Tensor:
+        """One loop, the paper's step h <- TF(h + e, t) (Eq. 3): the read-in e injected (None: nothing injected, the
+        first loop from the read-in itself; past r with `timestep_past="own"` β ⊙ e), the block's k layers at loop
+        t (modulations `mods_t`, [k,4,D] or prepared; cache slot `slot`, default t), then the extensions' change of
+        the state (`LoopExtension.after_loop`; none: the block's output). Every path that runs the block calls this:
+        `forward`, the exits, the fixed-point mode.
+        h, e: [B,T,D] -> [B,T,D] ([N,D] with `at`, the flattened positions the last layer computes)."""
+        x = h if e is None else h + self.injection(e, t)                                # input injection
+        out = self.block(x, mods_t, mask, cache, t if slot is None else slot, at, rope)   # TF(x, t)
+        for ext in self.extensions:                  # an experiment's change of the state (none by default)
+            out = ext.after_loop(h, out, t)
+        return out
+
+    def _loop(self, h: torch.Tensor, t: int, run: Begin) -> torch.Tensor:
+        """Loop t of `forward`: the step (checkpointed when asked), state noise in training, and rows past their
+        own loop count keeping their state.  [B,T,D] -> [B,T,D]."""
+        cfg = self.config
+        e = run.e if (t > 0 or run.injected_first) and cfg.input_injection else None
+        mods_t = None if run.mods is None else run.mods[t]
+        at = run.read_at if t == run.loops - 1 else None                               # -> h: [N,D]
+        if run.checkpoint and torch.is_grad_enabled():
+            out = checkpoint(self.step, h, e, run.offset + t, mods_t, run.mask, None, run.rope, at, t,
+                             use_reentrant=False)
+        else:
+            out = self.step(h, e, run.offset + t, mods_t, run.mask, run.cache, run.rope, at, t)
+        out = perturb(out, cfg, self.training)       # state noise (training only; `loopformer.model.stability`)
+        if run.rows is not None:                     # rows past their own loop count keep their state
+            out = torch.where((run.rows > t)[:, None, None], out, h)
+        return out
 
     def begin(self, x: torch.Tensor, loops: int | None, attn_mask: torch.Tensor | None,
-              positions: torch.Tensor | None, cache: KVCache | None) -> Begin:
+              positions: torch.Tensor | None, cache: KVCache | None, opts: LoopOptions | None = None) -> Begin:
         """What every run of the block starts from, for `forward`'s loop and the exits alike: the call checked,
-        its loop count R (`loops`, default the model's), the read-in e = L1(x) and the attention mask."""
+        its loop count R (`loops`, default the model's), the read-in e = L1(x) and the attention mask; with `opts`
+        (`forward`'s unrolled loop) also what its loops read: modulations, start state, loop counts per row,
+        the truncated-backpropagation prefix, checkpointing and the last loop's read positions."""
+        cfg = self.config
         R = self._check_call(x, loops, cache)
         past = cache.length if cache is not None else 0
         mask = self._mask(attn_mask, x.shape[1], past, x.device)                      # [B|1,1,T,S] | None
         e = self.embed(x, self._positions(x, positions, attn_mask, past))              # L1: [B,T,D]
-        rope = None if self.config.pos != "rope" else \
-            rope_tables(self._token_positions(x, positions, attn_mask, past), self.config.hd, self.config.rope_base)
-        return Begin(R, e, mask, past, rope)
+        rope = None if cfg.pos != "rope" else \
+            rope_tables(self._token_positions(x, positions, attn_mask, past), cfg.hd, cfg.rope_base)
+        run = Begin(R, e, mask, past, rope)
+        if opts is None:
+            return run
+        run.rows = None if opts.row_loops is None else self._check_rows(x, opts.row_loops, R, cache)   # [B]
+        if cfg.solver != "unroll":
+            return run
+        run.mods = self.loop_modulations(R, x.device, cache, opts.loop_offset,         # [R,k,4,D] | None
+                                         run.rows if run.rows is not None and opts.budget is None else opts.budget,
+                                         prepared=True)
+        run.grad = torch.is_grad_enabled()
+        run.grad_from = R - cfg.grad_loops if (run.grad and cfg.grad_loops is not None) else 0
+        run.checkpoint = cfg.checkpoint and run.grad and cache is None
+        sparse = opts.read_only and opts.read_at is not None and cache is None and run.rows is None \
+            and cfg.dropout == 0 and (run.mods is None or run.mods.dim() == 4) and not changes_state(self.extensions)
+        run.read_at = opts.read_at if sparse else None                                # the last loop's positions
+        h0 = self.start(e) if opts.state is None else opts.state                      # None: start from e itself
+        run.h0, run.injected_first = (e if h0 is None else h0), h0 is not None
+        run.offset, run.cache = opts.loop_offset, cache
+        return run
 
     @torch.no_grad()
-    def loop_rows(self, x: torch.Tensor, t: torch.Tensor, cache: KVCache, cols: torch.Tensor,
-                  seen: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    def loop_rows(self, h: torch.Tensor, e: torch.Tensor, starts: torch.Tensor, t: torch.Tensor, cache: KVCache,
+                  cols: torch.Tensor, seen: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """One loop for every row of `cache`, each at a loop of its own (depth-wise batched generation,
         `loopformer.text.generate`): row i computes its token at column cols_i in loop t_i (0-based), attending to
-        the columns `seen` marks in that loop's slot.
+        the columns `seen` marks in that loop's slot — the step h <- TF(h + e, t) per row, a row at its token's
+        first loop (`starts`) running the block on its read-in e.
 
-        x: [B,1,D] the rows' block inputs (the read-in at a token's first loop; after it the hidden state, plus the
-        read-in with input injection); t, cols: [B]; seen: [B,W] bool, the columns row i's token attends to (its
-        real columns up to cols_i; W = the widest row's cols_i + 1); pos: [B] the tokens' positions for rotary
-        encoding (default cols; left-padded rows count from their first real token). Returns the hidden states after
-        the loop [B,1,D]."""
-        if self.forget is not None:
-            raise UserError("depth-wise batched generation carries the block's inputs, not the state a forget gate "
-                            "scales: use the step schedule (schedule=step) with model.forget_gate")
+        h, e: [B,1,D] the rows' states and read-ins; starts: [B,1,1] bool; t, cols: [B]; seen: [B,W] bool, the
+        columns row i's token attends to (its real columns up to cols_i; W = the widest row's cols_i + 1); pos: [B]
+        the tokens' positions for rotary encoding (default cols; left-padded rows count from their first real
+        token). Returns the hidden states after the loop [B,1,D]."""
+        if changes_state(self.extensions):
+            raise UserError("depth-wise batched generation carries the block's inputs, not the state an extension "
+                            "changes after each loop: use the step schedule (schedule=step)")
         mods = self.prepare_rows(cache)                                                # [R,k·4,1,D] | None
         if mods is not None:
             m = mods.index_select(0, t).unbind(1)                                      # k·4 × [B,1,D]
@@ -312,7 +349,8 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         kv = DepthwiseKV(cache, t, cols, len(self.blocks), seen.shape[1])
         rope = None if self.config.pos != "rope" else \
             rope_tables((cols if pos is None else pos)[:, None], self.config.hd, self.config.rope_base)
-        return self._block(x, mods, seen[:, None, None], kv, 0, rope=rope)
+        x = torch.where(starts, e, h + self.injection(e, t) if self.config.input_injection else h)   # [B,1,D]
+        return self.block(x, mods, seen[:, None, None], kv, 0, rope=rope)
 
     def prepare_rows(self, cache: KVCache) -> torch.Tensor | None:
         """What `loop_rows` looks up, made once per cache: the cache entries per (loop, row)
@@ -321,7 +359,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         if cache.later is None:
             _, _, B, H, L, _ = cache.kv.shape                                  # [2,R·k,B,H,L,Dh]
             cache.later = DepthwiseKV.tables(cache.loops, len(self.blocks), B, H, L, cache.kv.device)
-        mods = self._loop_modulations(cache.loops, cache.k.device, cache)              # [R,k,4,D] | None
+        mods = self.loop_modulations(cache.loops, cache.k.device, cache)              # [R,k,4,D] | None
         if mods is None:
             return None
         if cache.row_mods is None:
@@ -394,7 +432,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             allowed = allowed & attn_mask.bool()[:, None, None, :]
         return allowed | (k == q)[None, None]   # a padded query still sees itself, so no row is empty
 
-    def _loop_modulations(self, loops: int, device: torch.device, cache: KVCache | None, offset: int = 0,
+    def loop_modulations(self, loops: int, device: torch.device, cache: KVCache | None, offset: int = 0,
                           budget: int | torch.Tensor | None = None, prepared: bool = False):
         """`modulations` of this call; in generation (a cache, no gradients) computed once per cache, and with
         `prepared` as every layer applies them (`Layer.prepare`, [R][k]: no per-token work on the modulations)."""
@@ -408,7 +446,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             return cache.prepared
         return self.modulations(loops, device, offset, budget)
 
-    def _block(self, h: torch.Tensor, mods_t, mask: torch.Tensor | None,
+    def block(self, h: torch.Tensor, mods_t, mask: torch.Tensor | None,
                cache: KVCache | None, t: int, at: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         """TF(h, t): the block's k layers at loop t (layer i of loop t uses cache slot t·k + i); mods_t: [k,4,D] or
         the k layers' prepared `Modulation`s; rope: the rotary tables of the positions (`Begin.rope`). With `at`
@@ -421,7 +459,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
             h = blk(h, mod, mask, cache, t * k + i if cache is not None else 0, rope)   # the slot: a cache's only
         return h
 
-    def _read_out(self, h: torch.Tensor, states: list[torch.Tensor] | None, attn_mask: torch.Tensor | None,
+    def read_out(self, h: torch.Tensor, states: list[torch.Tensor] | None, attn_mask: torch.Tensor | None,
                   ran: int, read_at: torch.Tensor | None = None, read_loops: int | None = None) -> LoopOutput:
         """L2 after the last loop (and after each of the last `read_loops` loops when `states` holds them — all of
         them by default), at the positions `read_at` only when given; the final logits are the last loop's

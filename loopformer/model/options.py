@@ -54,6 +54,17 @@ class Begin:
     mask: torch.Tensor | None                 # [B|1,1,T,S] the attention mask (None: the fused causal/full path)
     past: int                                 # tokens already in the cache
     rope: tuple | None = None                 # (cos, sin) [B|1,1,T,Dh/2] of rotary positions (pos="rope"), else None
+    # what `forward`'s unrolled loop reads (`LoopedTransformer.begin` with the call's options)
+    rows: torch.Tensor | None = None          # [B] a loop count per row (`LoopOptions.row_loops`), else None
+    mods: torch.Tensor | list | None = None   # [R,k,4,D] the loops' modulations (prepared per layer with a cache)
+    h0: torch.Tensor | None = None            # [B,T,D] the state the first loop starts from
+    injected_first: bool = False              # whether e is injected before the first loop too (a start state)
+    grad: bool = False                        # gradients recorded
+    grad_from: int = 0                        # the first loop with gradients (truncated backpropagation)
+    checkpoint: bool = False                  # each loop's activations recomputed in the backward
+    read_at: torch.Tensor | None = None       # [N] the positions the last loop's last layer computes, else None
+    offset: int = 0                           # the loop index of the first loop (`LoopOptions.loop_offset`)
+    cache: object | None = None               # the key/value cache (`KVCache`), else None
 
 
 @dataclass

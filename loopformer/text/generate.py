@@ -264,14 +264,15 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig | None
     return _step_result(out_tokens, finished, all_logits, exit_loops, cfg, eos_id, return_logits)
 
 
-def _tick(model, cache, rule: HaltRule, bound: int, x: torch.Tensor, h_prev: torch.Tensor,
-          logits_prev: torch.Tensor | None, t: torch.Tensor, live: torch.Tensor, cols: torch.Tensor,
-          seen: torch.Tensor, pos: torch.Tensor | None = None):
-    """The model's part of a depth-wise tick: one loop for every row (`LoopedTransformer.loop_rows`), the read-out
-    where the rule reads one, whether the criterion holds [B], the loops done t + live [B], and for a rule that
-    stops where its criterion holds once, the rows that stop [B] (None for the others). pos: the tokens' positions
-    [B] (rotary encoding)."""
-    h = model.loop_rows(x, t, cache, cols, seen, pos)                                  # [B,1,D]
+def _tick(model, cache, rule: HaltRule, bound: int, h: torch.Tensor, e: torch.Tensor, starts: torch.Tensor,
+          h_prev: torch.Tensor, logits_prev: torch.Tensor | None, t: torch.Tensor, live: torch.Tensor,
+          cols: torch.Tensor, seen: torch.Tensor, pos: torch.Tensor | None = None):
+    """The model's part of a depth-wise tick: one loop for every row (`LoopedTransformer.loop_rows`: h, e the rows'
+    states and read-ins [B,1,D], `starts` [B,1,1] the rows at their token's first loop), the read-out where the rule
+    reads one, whether the criterion holds [B], the loops done t + live [B], and for a rule that stops where its
+    criterion holds once, the rows that stop [B] (None for the others). pos: the tokens' positions [B] (rotary
+    encoding)."""
+    h = model.loop_rows(h, e, starts, t, cache, cols, seen, pos)                       # [B,1,D]
     logits = model.head(model.norm_f(h)) if rule.needs_read_out else None               # [B,1,V]
     holds = criterion_holds(rule, hidden=h, hidden_prev=h_prev, logits=logits, logits_prev=logits_prev,
                             stop_logits=None if model.exit_gate is None else model.exit_gate(h))
@@ -324,7 +325,7 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
     e, prev_logits = torch.zeros_like(h), None
     stop_eos = cfg.stop_at_eos and eos_id is not None
     live = ~(torch.full((B,), N == 1, dtype=torch.bool, device=dev) | (stop_eos & (first == eos_id)))  # not done
-    inject = model.config.input_injection
+    going_on = torch.zeros(B, 1, 1, dtype=torch.bool, device=dev)                      # no row starts a token
     model.prepare_rows(cache)
     tick = compiled_tick() if cfg.compile else _tick
     first_hold = _first_hold(rule)
@@ -338,12 +339,11 @@ def depthwise_decode(model, cache, mask: torch.Tensor, first: torch.Tensor, firs
             starts = (t == 0).view(B, 1, 1)
             pos = (plen + n).view(B, 1) if positions else None                         # as the left-padded path
             e = torch.where(starts, model.embed(tok.view(B, 1), pos), e)
-            x = torch.where(starts, e, h + model.injection(e, t) if inject else h)
         else:
-            x = h + model.injection(e, t) if inject else h
+            starts = going_on                                                           # no row starts a token
         attend = seen if cfg.compile else seen[:, :width]   # compiled: every column (one shape, one graph)
-        h, logits, holds, t, stop = tick(model, cache, rule, bound, x, h_prev, prev_logits, t, live, cols,
-                                         attend, plen + n)  # keys/values written through to the later loops
+        h, logits, holds, t, stop = tick(model, cache, rule, bound, h, e, starts, h_prev, prev_logits, t, live,
+                                         cols, attend, plen + n)  # keys/values written through to the later loops
         if stop is None:               # a rule with patience, a first loop or a comparison with the previous one
             if rule.criterion in NEEDS_PREVIOUS:
                 holds = holds & (t > 1)                                                 # nothing to compare yet

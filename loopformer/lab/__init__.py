@@ -1,0 +1,7 @@
+"""The lab: experiments that run through the loop's extension point (`loopformer.model.extensions`) and that the
+core never imports. Each is named in a config (`model.extensions: {noise_start: {sigma: 1.0}}`) and found through
+the entry points pyproject.toml lists; its study's page says what it measured.
+
+    noise_start     EqR's random start state (`loopformer.lab.noise_start`)
+    sandwich_norm   Huginn's norms on both sides of each residual branch (`loopformer.lab.sandwich`)
+"""
