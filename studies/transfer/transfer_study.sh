@@ -9,7 +9,8 @@
 #   bash studies/transfer/transfer_study.sh baseline circuit   # the shipped recipes on the screen settings
 #   bash studies/transfer/transfer_study.sh baseline pointer
 #   bash studies/transfer/transfer_study.sh heldout circuit    # ... on the held-out settings
-#   bash studies/transfer/transfer_study.sh collect            # compact results into studies/transfer/
+#   bash studies/transfer/transfer_study.sh collect            # one record per finished cell into
+#                                                              #   studies/transfer/results.json, summary.md
 #
 # Runs go to $STUDY/<stage>/<setting> (default sweeps/transfer, ignored by git); re-running a stage completes it.
 # EXTRA="key=value ..." adds overrides to every run (a candidate recipe) and TAG names its stage (baseline-TAG).
@@ -70,8 +71,6 @@ tag=${TAG:+-$TAG}
 case "$stage" in
   baseline) mapfile -t specs < <(settings screen "${2:?task: circuit or pointer}"); run "baseline$tag" "${specs[@]}" ;;
   heldout) mapfile -t specs < <(settings heldout "${2:?task: circuit or pointer}"); run "heldout$tag" "${specs[@]}" ;;
-  collect)
-    for d in "$STUDY"/*/; do STUDY=${d%/} collect "studies/transfer/$(basename "$d")"; done
-    .venv/bin/python studies/transfer/transfer_summary.py studies/transfer > studies/transfer/summary.md ;;
+  collect) python3 studies/transfer/transfer_summary.py "$STUDY" studies/transfer ;;   # results.json, summary.md
   *) sed -n '2,18p' "$0"; exit 2 ;;
 esac
