@@ -1,7 +1,8 @@
 """MkDocs hooks: writes `reference/configs.md`, the reference of every config field, from the dataclasses themselves
 (names, types, defaults and the comment next to each field), so the page cannot drift from the code; and serves the
-studies' compact results (`studies/`, beside `docs/`) under `studies/` on the site, so that a page's link
-`../studies/...` works both in the repository and on the site (and a broken one fails the strict build)."""
+studies' compact results and their READMEs (`studies/`, beside `docs/`) under `studies/` on the site, so that a page's
+link `../studies/...`, and a study page's link `../../docs/...`, work both in the repository and on the site (and a
+broken one fails the strict build)."""
 
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def on_pre_build(config, **kwargs) -> None:
 
 
 STUDIES = Path(__file__).resolve().parents[1] / "studies"
-STUDY_EXCLUDE = ("*.csv", "*.json", "*.jsonl", "*.sh", "*.py")   # data and scripts: read in the repository
+STUDY_EXCLUDE = ("*.csv", "*.json", "*.jsonl", "*.gz", "*.sh", "*.py")   # data and scripts: read in the repository
 
 
 def on_files(files, config, **kwargs):
@@ -109,7 +110,12 @@ def on_files(files, config, **kwargs):
 
 
 def on_page_markdown(markdown: str, page, **kwargs) -> str:
-    """A page's links into `../studies/` (from docs/, as the repository has it) point at the served copies."""
-    up = "../" * (page.file.src_uri.count("/") + 1)           # from this page to the repository root
-    here = "../" * page.file.src_uri.count("/")                # from this page to the site root
-    return re.sub(r"\]\(" + re.escape(up) + "studies/", "](" + here + "studies/", markdown)
+    """A page's links into `../studies/` (from docs/, as the repository has it) point at the served copies, and a
+    study page's links into `../../docs/` (from studies/NAME/) at the pages, which the site serves from its root."""
+    uri = page.file.src_uri
+    up = "../" * (uri.count("/") + 1)                          # from a page in docs/ to the repository root
+    here = "../" * uri.count("/")                              # from this page to the site root
+    markdown = re.sub(r"\]\(" + re.escape(up) + "studies/", "](" + here + "studies/", markdown)
+    if uri.startswith("studies/"):                             # here is also the way to the repository root
+        markdown = re.sub(r"\]\(" + re.escape(here) + "docs/", "](" + here, markdown)
+    return markdown

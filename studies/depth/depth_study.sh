@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The depth study (docs/depth.md): tasks whose answer needs a set number of sequential steps, the looped model's
+# The depth study (studies/depth/README.md): tasks whose answer needs a set number of sequential steps, the looped model's
 # accuracy against its loop count r, and looped vs timestep-modulated looped models where depth is needed. Each
 # stage is a `loopformer sweep`, so re-running this script completes an interrupted study (finished runs are
 # skipped, interrupted ones resume). Runs go to $STUDY (default sweeps/depth, ignored by git); `collect` copies the
-# compact results (tables, every run's results.json and dynamics records) into studies/depth/.
+# compact results (tables, every run's results.json and dynamics records; the records are not committed) into
+# studies/depth/.
 #
 #   bash studies/depth/depth_study.sh schedule        # the fixed circuit (one layer repeated K = 32 times): looped and
 #                                               #   TMLT at r = 4, 16, 32, seeds 0-2 (18 runs, ~3 min each at r = 32)
@@ -27,7 +28,7 @@ STUDY=${STUDY:-sweeps/depth}
 . scripts/study_lib.sh
 
 # the loop curriculum the pointer-chasing runs were made with (16 loops, +2 every 100 steps); the config's default
-# now starts at 12 and adds 2 every 200 steps (docs/stability.md)
+# now starts at 12 and adds 2 every 200 steps (studies/stability/README.md)
 POINTER_AS_RUN=(train.loops_start=16 train.loops_every=100)
 # the circuit's runs were made with its plain 2,000-step recipe: SCHEDULE_AS_RUN (scripts/study_lib.sh)
 as_run() {   # as_run TASK: the overrides its runs were made with, unquoted

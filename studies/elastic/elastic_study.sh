@@ -56,6 +56,7 @@ stage() {
     pointer-fixedpoint) "$LF" sweep "${POINTER[@]}" "${POINTER_SAMPLE[@]}" train.fixed_point=0.1 \
                         train.fixed_point_loops=8 --grid seed=0 --out "$STUDY/pointer-fixedpoint-none" "${SW[@]}" ;;
     collect)          # each sweep's report (budgets.md / .png) and every run's results.json and dynamics records
+                      # (the dynamics records are not committed: .gitignore)
       for d in "$STUDY"/*/; do
         name=$(basename "$d")
         "$LF" report "$d" --out "studies/elastic/$name" >/dev/null

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The length-generalisation study (docs/length-generalisation.md): trained on sizes 1..12, does a looped block run
+# The length-generalisation study (studies/lengths/README.md): trained on sizes 1..12, does a looped block run
 # T(n) = n times stay right at 2n and 4n where standard transformers do not? Each stage is a `loopformer sweep` of
 # the shipped configs/cpu/length-*.yaml, so re-running this script completes an interrupted study (finished runs
 # are skipped, interrupted ones resume). Every run is evaluated at lengths 6, 12, 24 and 48 (eval.lengths) with

@@ -1,4 +1,4 @@
-"""The length-generalisation study's tables (docs/length-generalisation.md) from the compact results that
+"""The length-generalisation study's tables (studies/lengths/README.md) from the compact results that
 `bash studies/lengths/lengths_study.sh collect` copies: per task, every arm's exact match at each evaluated length
 (runs' results.json "lengths": T(n) loops for a looped block, one pass for a standard transformer), per seed, then
 per arm the median [min–max] over seeds at the training length n and at 2n and 4n, with the seeds at ≥ 95 %, and at

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bf16 autocast on a CPU against fp32 (docs/speed.md): the study config (edit distance, d = 64, r = 16, every loop's
+# bf16 autocast on a CPU against fp32 (studies/speed/README.md): the study config (edit distance, d = 64, r = 16, every loop's
 # loss), eager (bf16 runs slower compiled), seeds 0-2 per precision, same data and initial weights per seed. Each
 # stage is a `loopformer sweep`, so re-running completes an interrupted stage. Runs go to $STUDY (default
 # sweeps/bf16, ignored by git); `collect` copies the compact results into studies/speed/.

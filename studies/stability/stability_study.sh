@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The stability study (docs/stability.md): do deep loops train on every seed and settle past r? Each stage is a
+# The stability study (studies/stability/README.md): do deep loops train on every seed and settle past r? Each stage is a
 # `loopformer sweep` of the shipped depth configs, so re-running this script completes an interrupted study
 # (finished runs are skipped, interrupted ones resume). Runs go to $STUDY (default sweeps/stability, ignored by
-# git); `collect` copies the compact results (tables, every run's results.json and dynamics records) into
-# studies/stability/. Every run is evaluated after every loop up to 4r (eval.max_loops), so accuracy at r, 2r and 4r
-# and the drift past r come from the same run.
+# git); `collect` copies the compact results (tables, every run's results.json and dynamics records; the records are
+# not committed) into studies/stability/. Every run is evaluated after every loop up to 4r (eval.max_loops), so
+# accuracy at r, 2r and 4r and the drift past r come from the same run.
 #
 #   bash studies/stability/stability_study.sh baseline-schedule  # the circuit (K = 32) at r = 32 with the plain recipe (the
 #                                                      #   config's earlier default): looped and TMLT, seeds 0-4
@@ -52,9 +52,9 @@ baseline() {
     --grid seed="$SEEDS" model.timestep=false,true --out "$STUDY/$2" "${SW[@]}"
 }
 
-# pointer chasing's loop curriculum, now its config's default (12 loops, +2 every 200 steps; docs/stability.md)
+# pointer chasing's loop curriculum, now its config's default (12 loops, +2 every 200 steps; studies/stability/README.md)
 SLOW="train.loops_start=12 train.loops_every=200 train.loops_increment=2"
-# the screened stabilisers: name and overrides (docs/stability.md says what each is)
+# the screened stabilisers: name and overrides (docs/stability.md says what each is and its verdict)
 SCREENS=(
   "recipe:"
   "noise-start:model.start_state=noise model.start_noise=1.0"

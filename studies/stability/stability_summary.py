@@ -1,4 +1,4 @@
-"""The stability study's tables (docs/stability.md) from the compact results that
+"""The stability study's tables (studies/stability/README.md) from the compact results that
 `bash studies/stability/stability_study.sh collect` copies: per stage, every run's exact-match accuracy at r, 2r and
 4r, its best loop, the drift verdict (loopformer.eval.drift: from results.json's "drift" where the run recorded it,
 with the state change at 4r and the spectral radius of the loop map; else from the accuracy alone; "not learned"

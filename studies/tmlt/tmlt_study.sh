@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The timestep-encoding study (docs/tmlt-study.md): every sweep it reports, in order. Each stage is a
+# The timestep-encoding study (studies/tmlt/README.md): every sweep it reports, in order. Each stage is a
 # `loopformer sweep`, so re-running this script completes an interrupted study (finished runs are skipped,
 # interrupted ones resume). Runs go to $STUDY (default sweeps/tmlt, ignored by git); `collect` copies the compact
-# results (tables, plots, every run's results.json and dynamics records) into studies/tmlt/.
+# results (tables, plots, every run's results.json and dynamics records; the records are not committed) into
+# studies/tmlt/.
 #
 #   bash studies/tmlt/tmlt_study.sh screen      # stage 1: TMLT recipes on ED-6 at r = 16, seed 0 (5 runs)
 #   bash studies/tmlt/tmlt_study.sh ed16        # stage 2: looped vs TMLT (default recipe), ED-6, r = 16, seeds 0-2
@@ -24,7 +25,7 @@
 #   bash studies/tmlt/tmlt_study.sh ed32-window lcs32-window  # stage 13: the loss window at r = 32 (all loops in the graph)
 #   bash studies/tmlt/tmlt_study.sh curriculum  # stage 14: the loop curriculum over seeds 0-2 (seed 0 is also a candidates run)
 # The last-loop stages cost about half an every-loop stage (8-9 min per r = 16 run on one free core).
-#   bash studies/tmlt/tmlt_study.sh ablations   # the TMLTs with the loop index removed / without modulation (docs/tmlt-study.md 8)
+#   bash studies/tmlt/tmlt_study.sh ablations   # the TMLTs with the loop index removed / without modulation (studies/tmlt/README.md 8)
 #   bash studies/tmlt/tmlt_study.sh collect     # tables and compact results into studies/tmlt/
 # Cost on 2 CPU cores (two runs at a time, one thread each): about 16 min per run at r = 16, 30 min at r = 32.
 set -euo pipefail
@@ -41,7 +42,7 @@ pair() {
 stage() {
   case "$1" in
     screen)
-      # stage 1 ran before the paired initialisation (see docs/tmlt-study.md); re-running it now re-draws the
+      # stage 1 ran before the paired initialisation (see studies/tmlt/README.md); re-running it now re-draws the
       # initial weights
       "$LF" sweep configs/cpu/ed.yaml model.loops=16 model.timestep=true eval.max_loops=32 \
         --grid model.timestep_gate_init=0,1 train.timestep_lr_mult=1,0.1 --baseline model.timestep=false \
