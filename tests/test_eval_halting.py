@@ -58,11 +58,14 @@ def test_sweep_has_the_fixed_curve_and_a_best_rule():
     assert best["mean_loops"] == min(r["mean_loops"] for r in res["rules"])
 
 
-def test_eval_command_with_halting(tmp_path, capsys):
+def test_eval_command_with_halting(tmp_path, capsys, monkeypatch):
+    from loopformer.model.halting import HaltRule
     from loopformer.train.trainer import train
     cfg = load_run_config(None, [*TINY, "task.answer_only=true", "train.steps=3", f"out_dir={tmp_path / 'r'}"])
     train(cfg)
     out_json, png = tmp_path / "e.json", tmp_path / "s.png"
+    parsed, parse = [], HaltRule.parse.__func__
+    monkeypatch.setattr(HaltRule, "parse", classmethod(lambda cls, text: parsed.append(text) or parse(cls, text)))
     assert main(["eval", str(tmp_path / "r"), "--halt", "kl:1e-3", "--halt", "argmax:2", "--halt-sweep", "argmax",
                  "--plot", str(png), "--json", str(out_json), "--quiet", "-n", "16"]) == 0
     printed = capsys.readouterr().out
@@ -70,6 +73,7 @@ def test_eval_command_with_halting(tmp_path, capsys):
     ev = json.loads(out_json.read_text())
     assert [r["rule"] for r in ev["halting"]["rules"]] == ["kl:0.001", "argmax:2"]
     assert png.stat().st_size > 0
+    assert parsed == ["kl:1e-3", "argmax:2"]                        # each rule parsed once (by EvalConfig)
 
 
 @pytest.mark.parametrize("argv, needle", [

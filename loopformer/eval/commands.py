@@ -21,7 +21,7 @@ from loopformer.eval.halting import format_halting, sweep_plot
 from loopformer.eval.lengths import format_lengths, lengths_plot, parse_lengths
 from loopformer.eval.run import EXTRAS, check_eval_config, evaluate_all
 from loopformer.fileio import check_figure_path, write_json
-from loopformer.model.halting import CRITERIA, HaltRule
+from loopformer.model.halting import CRITERIA
 from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.model.memory import check_loops
 from loopformer.sources import TaskConfig, check_data_fits, make_data, source_class
@@ -116,8 +116,6 @@ def eval_config(args: argparse.Namespace) -> EvalConfig:
         raise UserError(f"votes must be >= 0 (got {args.votes})")
     if not 0 < args.step_halt <= 1:
         raise UserError(f"the step-halting threshold must be in (0, 1] (got {args.step_halt})")
-    for h in args.halt or []:
-        HaltRule.parse(h)
     sweep = [] if args.halt_sweep is None else \
         (list(CRITERIA) if args.halt_sweep == "all" else [c.strip() for c in args.halt_sweep.split(",")])
     for c in sweep:
@@ -213,7 +211,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-loops", type=int, help="loop-wise curve up to this many loops (default: 2 × loops; "
                                                  "at most 1024)")
     p.add_argument("--no-loopwise", action="store_true", help="only the metrics at --loops")
-    p.add_argument("--ema", action="store_true", help="evaluate the averaged weights (trained with train.ema_decay)")
+    p.add_argument("--ema", action="store_true",
+                   help="evaluate the averaged weights (trained with train.select.ema_decay)")
     p.add_argument("--votes", type=int, default=0, metavar="K",
                    help="test-time augmentation: also vote over K symmetric copies of every test row (Sudoku)")
     p.add_argument("--step-halt", type=float, default=0.5, metavar="P",

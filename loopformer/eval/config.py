@@ -46,11 +46,10 @@ class EvalConfig:
     def __post_init__(self) -> None:
         _need(self.batch_size >= 1 and self.n >= 0 and self.loops >= 0 and self.max_loops >= 0,
               "eval: need batch_size >= 1, n >= 0, loops >= 0 and max_loops >= 0")
-        for rule in self.halt:
-            try:
-                HaltRule.parse(rule)
-            except UserError as exc:
-                raise ValueError(f"eval.halt: {exc}") from None
+        try:                          # parsed once, here: `rules` is what every evaluation reads
+            self.rules: list[HaltRule] = [HaltRule.parse(rule) for rule in self.halt]
+        except UserError as exc:
+            raise ValueError(f"eval.halt: {exc}") from None
         for c in self.halt_sweep:
             _need(c in CRITERIA, f"eval.halt_sweep: unknown halting criterion {c!r} (choose from "
                                  f"{', '.join(CRITERIA)})")

@@ -21,7 +21,7 @@ from loopformer.eval.budgets import budget_runs
 from loopformer.eval.config import EvalConfig
 from loopformer.eval.drift import drift_report
 from loopformer.eval.evaluate import check_eval_args, fixed_depth
-from loopformer.eval.halting import check_halting_args, parse_rules, rules_side_by_side, threshold_sweep
+from loopformer.eval.halting import check_halting_args, rules_side_by_side, threshold_sweep
 from loopformer.eval.lengths import length_curve
 from loopformer.model.looped import unwrap
 from loopformer.model.memory import check_loops, loop_cap
@@ -34,7 +34,7 @@ def check_eval_config(cfg: EvalConfig, trained: int) -> None:
     """One-line UserErrors for what `cfg` asks of a model trained with `trained` loops (supervision steps × r):
     loop counts past `loop_cap(trained)`, a halting rule's own most loops past it."""
     check_eval_args(cfg.loops or None, cfg.max_loops or None, cfg.batch_size, cfg.n, trained=trained)
-    check_halting_args(trained, parse_rules(cfg.halt), cfg.loops or None, cfg.batch_size, cfg.n)
+    check_halting_args(trained, cfg.rules, cfg.loops or None, cfg.batch_size, cfg.n)
     for b in cfg.budgets:
         check_loops(int(b), trained, "loops")
 
@@ -70,7 +70,7 @@ def evaluate_all(model: torch.nn.Module, data: DataSource, cfg: EvalConfig, *, l
         res["stepwise"] = [p for p in res["stepwise"] if p["loop"] <= R]
     if not extras:
         return res
-    rules = parse_rules(cfg.halt)
+    rules = cfg.rules                                                              # parsed by EvalConfig
     if rules:
         res["halting"] = rules_side_by_side(raw, data, rules, loops=cfg.loops or None, **common)
     if cfg.budgets:

@@ -19,7 +19,6 @@ from loopformer.eval.evaluate import check_eval_args
 from loopformer.eval.halting import format_halting
 from loopformer.eval.run import evaluate_all
 from loopformer.fileio import write_json
-from loopformer.model.halting import HaltRule
 from loopformer.model.io import load
 from loopformer.model.memory import check_loops
 from loopformer.sources.text import SplitWindows
@@ -66,10 +65,11 @@ def perplexity_config(args: argparse.Namespace) -> EvalConfig:
     check_eval_args(None, None, args.batch_size)
     if args.loops is not None and args.loops < 1:
         check_loops(args.loops, 0, "loops")
-    for h in args.halt or []:
-        HaltRule.parse(h)
-    return EvalConfig(batch_size=args.batch_size, loops=args.loops or 0, loopwise=False, halt=list(args.halt or []),
-                      drift=False)
+    try:                              # EvalConfig parses the halting rules (once)
+        return EvalConfig(batch_size=args.batch_size, loops=args.loops or 0, loopwise=False,
+                          halt=list(args.halt or []), drift=False)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _check_vocab(model, corpus) -> None:
