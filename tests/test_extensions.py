@@ -175,3 +175,24 @@ def test_an_old_checkpoint_loads_and_a_removed_switch_is_one_line(tmp_path):
     path.write_text(json.dumps({**data, "forget_gate": True}))
     with pytest.raises(UserError, match="forget_gate has left loopformer"):
         load(tmp_path / "ckpt")
+
+
+def test_state_norm_against_hand_computation_and_bounds_the_state():
+    torch.manual_seed(0)
+    m = LoopedTransformer(_cfg(extensions={"state_norm": {"gain": 0.5}}, loops=6)).eval()
+    assert torch.equal(m.extensions[0].weight, torch.full((16,), 0.5))
+    with torch.no_grad():
+        for p in m.blocks.parameters():
+            p.mul_(20)                                              # a block that blows an unbounded state up
+    x = torch.randint(0, 11, (2, 6))
+    e = m.embed(x)
+    h = e
+    for t in range(6):
+        z = m.blocks[0](h + e if t > 0 else h)
+        h = 0.5 * z / z.pow(2).mean(-1, keepdim=True).add(torch.finfo(z.dtype).eps).sqrt()
+    out = m(x, return_all=True)
+    torch.testing.assert_close(out.hidden, h, atol=1e-4, rtol=1e-4)          # large activations: float32 noise
+    torch.testing.assert_close(out.all_hidden.pow(2).mean(-1).sqrt(), torch.full((6, 2, 6), 0.5), atol=1e-4,
+                               rtol=1e-4)                           # every loop's state has RMS = the gain's
+    with pytest.raises(ValueError, match="state_norm.gain must lie"):
+        _cfg(extensions={"state_norm": {"gain": 0}})

@@ -4,4 +4,6 @@ the entry points pyproject.toml lists; its study's page says what it measured.
 
     noise_start     EqR's random start state (`loopformer.lab.noise_start`)
     sandwich_norm   Huginn's norms on both sides of each residual branch (`loopformer.lab.sandwich`)
+    state_norm      the carried state normalised after every loop (`loopformer.lab.state_norm`): a candidate of the
+                    deep recipe
 """
