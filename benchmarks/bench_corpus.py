@@ -155,7 +155,7 @@ def main() -> int:
                 tokens = sum(s["tokens"] for s in json.load(f)["splits"].values())
             train = cli + ["train", CONFIG, f"task.data_dir={out}", f"out_dir={os.path.join(work, f'run{i}')}",
                            "threads=1", f"train.steps={args.steps}", f"train.log_every={args.steps}",
-                           f"train.eval_every={args.steps}", "train.warmup_steps=2",
+                           f"train.eval_every={args.steps}", "train.optim.warmup_steps=2",
                            f"task.eval_windows={args.eval_windows}", "eval.loopwise=false", "eval.drift=false",
                            "--overwrite", "--quiet"]
             t_wall, t_rss, t_anon, rc = run_child(train, os.path.join(work, f"train{i}.log"))

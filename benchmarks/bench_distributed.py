@@ -1,5 +1,5 @@
-"""Per-process memory, step time and collectives of data-parallel training: DDP against FSDP (`train.parallel`) at
-world sizes 1 and 2, on CPU with gloo (or on GPUs with NCCL where there are some), in one run.
+"""Per-process memory, step time and collectives of data-parallel training: DDP against FSDP (`train.system.parallel`)
+at world sizes 1 and 2, on CPU with gloo (or on GPUs with NCCL where there are some), in one run.
 
 Every case is a `torchrun` launch of this script's worker, which builds the real `Trainer` of the config (data,
 model, optimiser, losses, the DDP or FSDP wrapping), trains `--warmup` steps and then `--steps` timed steps, and
@@ -69,8 +69,8 @@ def worker(args: argparse.Namespace) -> None:
         import loopformer.train.trainer as trainer_module
         trainer_module.shard_model = default_policy
         del original
-    overrides = [*args.overrides, f"train.parallel={parallel}", f"out_dir={args.out}", "log.progress=false",
-                 "log.tensorboard=false", "log.dynamics=false", "train.compile=false", f"threads={args.threads}",
+    overrides = [*args.overrides, f"train.system.parallel={parallel}", f"out_dir={args.out}", "log.progress=false",
+                 "log.tensorboard=false", "log.dynamics=false", "train.system.compile=false", f"threads={args.threads}",
                  "train.eval_every=0", f"train.steps={args.warmup + args.steps + 1}"]
     cfg = load_run_config(args.config, overrides)
     counts: dict[str, int] = {}

@@ -10,8 +10,9 @@ first source's (the same math gives float-level differences).
 
     python benchmarks/bench_step.py configs/cpu/ed.yaml model.loops=16 --against HEAD~3 \
         --case looped= --case tmlt=model.timestep=true --reps 5
-    python benchmarks/bench_step.py configs/cpu/pointer.yaml model.loops=64 train.loops_start=0 train.compile=true \
-        --case step=train.compile_scope=step --case block=train.compile_scope=block --cold --warmup 2
+    python benchmarks/bench_step.py configs/cpu/pointer.yaml model.loops=64 train.loops.start=0 \
+        train.system.compile=true --case step=train.system.compile_scope=step \
+        --case block=train.system.compile_scope=block --cold --warmup 2
 
 A source is this checkout (`.`) or a commit (extracted with `git archive` into a temporary folder). Workers run
 with one thread each (`--threads`), one at a time. With `--device cuda` each timed step ends with a synchronisation;

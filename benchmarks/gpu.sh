@@ -7,14 +7,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-CASES=(--case eager-fp32=train.compile=false,train.precision=fp32
-       --case eager-bf16=train.compile=false,train.precision=bf16
-       --case compiled-bf16=train.compile=true,train.precision=bf16
-       --case graphs-bf16=train.compile=true,train.precision=bf16,train.compile_mode=reduce-overhead)
+CASES=(--case eager-fp32=train.system.compile=false,train.system.precision=fp32
+       --case eager-bf16=train.system.compile=false,train.system.precision=bf16
+       --case compiled-bf16=train.system.compile=true,train.system.precision=bf16
+       --case graphs-bf16=train.system.compile=true,train.system.precision=bf16,train.system.compile_mode=reduce-overhead)
 run() { "$PY" benchmarks/bench_step.py "$@" --device cuda --reps 5 --chunk 20 --warmup 10 "${CASES[@]}"; echo; }
 run configs/cpu/ed.yaml model.loops=16 "$@"
 run configs/cpu/ed.yaml model.loops=16 model.timestep=true "$@"
-run configs/cpu/pointer.yaml model.loops=32 train.loops_start=0 "$@"
+run configs/cpu/pointer.yaml model.loops=32 train.loops.start=0 "$@"
 [ -d data/shakespeare ] || "$PY" -m loopformer.cli text prepare plays --out data/shakespeare --tokenizer bpe \
   --vocab-size 1024
 run configs/cpu/shakespeare.yaml "$@"

@@ -10,5 +10,5 @@ N=$(nvidia-smi --list-gpus | wc -l)
 [ "$N" -ge 1 ] || { echo "no NVIDIA GPU found" >&2; exit 2; }
 WORLDS=1; [ "$N" -gt 1 ] && WORLDS="1,$N"
 "$PY" benchmarks/bench_distributed.py --worlds "$WORLDS" --threads 4 --warmup 3 --steps 10 --vocab 8192 \
-  device=cuda train.precision=bf16 model.d_model=1024 model.n_heads=16 model.loops=8 task.block_size=1024 \
+  device=cuda train.system.precision=bf16 model.d_model=1024 model.n_heads=16 model.loops=8 task.block_size=1024 \
   train.batch_size=$((8 * N)) "$@"

@@ -62,6 +62,34 @@ def _default(f: dataclasses.Field) -> str:
     return "(required)"
 
 
+def _section(lines: list[str], key: str, cls, level: str = "##") -> None:
+    """The heading, the class's first doc paragraph and the table of one section (`key`: its dotted prefix, "" at the
+    top level), then a table of its own for each section it holds (e.g. `train.optim`)."""
+    name = cls.__name__
+    hints = typing.get_type_hints(cls)
+    notes = field_comments(cls)
+    title = "top level" if not key else f"`{key}.*`"
+    doc = cls.__dict__.get("__doc__") or ""
+    doc = "" if doc.startswith(f"{name}(") else inspect.cleandoc(doc).split("\n\n")[0].replace("\n", " ")
+    lines += [f"{level} {title} — `{name}`", "", doc, "", "| field | type | default | meaning |", "|---|---|---|---|"]
+    nested = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if dataclasses.is_dataclass(hints.get(f.name)):
+            nested.append((f.name, hints[f.name]))                 # a section: a table of its own
+            if key:                                                # (the run's sections: SECTIONS)
+                lines.append(f"| `{f.name}` | section | | see `{key}.{f.name}.*` below |")
+            continue
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        note = notes.get(f.name, "").replace("|", "\\|")
+        lines.append(f"| `{f.name}` | `{kind}` | `{_default(f)}` | {note} |")
+    lines.append("")
+    if key:
+        for field, sub in nested:
+            _section(lines, f"{key}.{field}", sub, level + "#")
+
+
 def config_reference() -> str:
     """The markdown page."""
     import importlib
@@ -69,23 +97,18 @@ def config_reference() -> str:
     lines = ["# Config reference", "",
              "Every field of a run config, generated from the dataclasses (`loopformer.train.config.RunConfig` and the "
              "sections it holds). In YAML a field is `section: {field: value}`; on the command line a dotted "
-             "override `section.field=value`. Unknown keys and bad values are one-line errors naming the key.", ""]
+             "override `section.field=value` (in a section of a section, `train.optim.lr=3e-4`). Unknown keys and bad "
+             "values are one-line errors naming the key.", ""]
     for section, module, name in SECTIONS:
         cls = getattr(importlib.import_module(module), name)
-        hints = typing.get_type_hints(cls)
-        notes = field_comments(cls)
-        title = "top level" if section == "run" else f"`{section}.*`"
-        doc = cls.__dict__.get("__doc__") or ""
-        doc = "" if doc.startswith(f"{name}(") else inspect.cleandoc(doc).split("\n\n")[0].replace("\n", " ")
-        lines += [f"## {title} — `{name}`", "", doc, "", "| field | type | default | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            if not f.init or dataclasses.is_dataclass(hints.get(f.name)):
-                continue                                               # a section: documented below
-            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            note = notes.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{f.name}` | `{kind}` | `{_default(f)}` | {note} |")
-        lines.append("")
-    return "\n".join(lines)
+        _section(lines, "" if section == "run" else section, cls)
+    renamed = importlib.import_module("loopformer.train.config").RENAMED
+    lines += ["## Renamed keys", "",
+              "The flat keys of the train section's earlier release still load until the next release — in a YAML "
+              "file, an override, a stage's `set`, a sweep's grid and a run folder's stored config — each named once "
+              "on stderr with its new key.", "", "| earlier key | key now |", "|---|---|"]
+    lines += [f"| `train.{old}` | `train.{new}` |" for old, new in renamed.items()]
+    return "\n".join(lines) + "\n"
 
 
 def on_pre_build(config, **kwargs) -> None:

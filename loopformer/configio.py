@@ -3,8 +3,10 @@
 Every config in loopformer is a (possibly nested) dataclass whose `__post_init__` validates its values. This module
 uses OmegaConf to merge a YAML file and `key=value` overrides onto the dataclass schema, so unknown keys and values
 of the wrong type are rejected with the offending key named, and then builds the dataclass (running its checks).
-All failures surface as one-line `UserError`s. The configs shipped with the package live in `CONFIG_DIR`
-(`loopformer/configs/`; a clone reaches the same files as `configs/`).
+All failures surface as one-line `UserError`s. A config class whose keys were renamed in a release may define
+`upgrade(raw, notice)` (a static method): every raw layer — the base dict, the YAML file's dict, the list of `key=value`
+overrides — passes through it before the typed load, so the keys of the earlier release still load. The configs shipped
+with the package live in `CONFIG_DIR` (`loopformer/configs/`; a clone reaches the same files as `configs/`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,9 +63,12 @@ def check_values(layer: Any, where: str, key: str = "") -> None:
                             "environment) would be written into the run folder and checkpoints: give the value itself")
 
 
-def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> list:
+def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] = (),
+                upgrade: Callable[[Any, bool], Any] | None = None, notice: bool = True) -> list:
     """The YAML file at `path` and the dotted `overrides`, parsed but not yet checked against a schema (see
-    `check_values` for what is refused)."""
+    `check_values` for what is refused). `upgrade(raw, notice)`: renames the keys of an earlier release in the file's
+    dict and in the overrides (see the module docstring); `notice` False: it names none of them on stderr (a run
+    folder's stored config), the overrides' keys excepted."""
     layers = []
     if path is not None:
         if not os.path.isfile(path):
@@ -74,35 +79,49 @@ def user_layers(path: str | os.PathLike | None = None, overrides: Iterable[str] 
             raise UserError(f"cannot parse config {path}: {one_line(exc)}") from None
         if not isinstance(layer, DictConfig):
             raise UserError(f"config {path} must hold key: value pairs at the top level (it holds a list)")
-        check_values(OmegaConf.to_container(layer, resolve=False), f"config {path}")
+        raw = OmegaConf.to_container(layer, resolve=False)
+        check_values(raw, f"config {path}")
+        if upgrade is not None:
+            new = upgrade(raw, notice)
+            layer = layer if new is raw else OmegaConf.create(new)
         layers.append(layer)
     overrides = list(overrides)
     for ov in overrides:
         if "=" not in ov:
             raise UserError(f"override {ov!r} is not of the form key=value")
         check_values(ov.split("=", 1)[1], "override", ov.split("=", 1)[0])
+    if upgrade is not None:
+        overrides = upgrade(overrides, True)              # the keys, in order: the later of two still wins
     if overrides:
         try:
-            layers.append(OmegaConf.from_dotlist(overrides))
+            layer = OmegaConf.from_dotlist(overrides)
         except (OmegaConfBaseException, ValueError, TypeError) as exc:   # e.g. a.b=1 after a=[1, 2]
             raise UserError(f"bad override: {one_line(exc)}") from None
+        if upgrade is not None:                           # ... and what their values hold (a section, stages)
+            raw = OmegaConf.to_container(layer, resolve=False)
+            new = upgrade(raw, True)
+            layer = layer if new is raw else OmegaConf.create(new)
+        layers.append(layer)
     return layers
 
 
 def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: Iterable[str] = (),
-                base: dict | None = None) -> T:
+                base: dict | None = None, stored: bool = False) -> T:
     """Build `cls` from defaults, then `base` (a dict), then the YAML file at `path`, then dotted `overrides`.
+    `stored`: the file is one loopformer wrote (a run folder's config): the renamed keys it holds (`cls.upgrade`)
+    load without a notice.
 
     >>> from loopformer.model.config import ModelConfig
     >>> load_config(ModelConfig, overrides=["loops=8", "timestep=true"]).loops
     8
     """
+    upgrade = getattr(cls, "upgrade", None)
     try:
         schema = OmegaConf.structured(cls)
         layers = [schema]
         if base:
-            layers.append(OmegaConf.create(base))
-        layers += user_layers(path, overrides)
+            layers.append(OmegaConf.create(upgrade(base, True) if upgrade else base))
+        layers += user_layers(path, overrides, upgrade, notice=not stored)
         merged = OmegaConf.merge(*layers)
         obj = OmegaConf.to_object(merged)
     except UserError:

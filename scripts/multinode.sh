@@ -3,7 +3,7 @@
 # node, each with this node's GPUs; the run folder (out_dir) must be on a file system all nodes share, since every
 # process writes its shard of each checkpoint there.
 #   NNODES=2 NPROC=8 MASTER=node0.example:29500 JOB=lm1 bash scripts/multinode.sh configs/wikitext103.yaml \
-#       train.parallel=fsdp out_dir=/shared/runs/lm1
+#       train.system.parallel=fsdp out_dir=/shared/runs/lm1
 #   ... --resume /shared/runs/lm1 (any NNODES x NPROC: sharded checkpoints reshard on load)
 set -euo pipefail
 : "${NNODES:?set NNODES, the number of machines}" "${MASTER:?set MASTER=host:port of the rendezvous (any one node)}"

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 LF = [sys.executable, "-m", "loopformer.cli"]
-EAGER = ["train.compile=false", "threads=1", "log.tensorboard=false"]
+EAGER = ["train.system.compile=false", "threads=1", "log.tensorboard=false"]
 DROP = ("time", "_s", "wall", "path", "dir", "speedup", "checkpoint", "device", "compiled", "memory")
 
 
@@ -83,11 +83,11 @@ def reference(tmp: Path) -> dict:
     _eval("gate-halt", gate, ["--halt", "kl:1e-2", "--halt", "gate:0.5", "--halt-sweep", "kl,argmax"], tmp, rec)
     el = _train("elastic", str(cfg / "demo.yaml"),
                 ["train.steps=40", *small, "model.loops=4", "model.timestep=true", "model.timestep_time=normalized",
-                 "train.loops_sample=uniform", "train.loops_min=2", "train.loops_max=8", "eval.budgets=[1,2,4,8]"],
+                 "train.loops.sample=uniform", "train.loops.min=2", "train.loops.max=8", "eval.budgets=[1,2,4,8]"],
                 tmp, rec)
     _eval("elastic-budgets", el, ["--budgets", "1,2,4,8", "--halt", "kl:1e-2"], tmp, rec)
     _train("pointer", str(cfg / "pointer.yaml"),            # the loop curriculum to r = 32, then draws r..4r
-           ["train.steps=100", *small, "model.loops=32", "model.timestep=true", "train.loops_every=8",
+           ["train.steps=100", *small, "model.loops=32", "model.timestep=true", "train.loops.every=8",
             "eval.max_loops=64"], tmp, rec)
     _train("circuit", str(cfg / "schedule.yaml"),           # state noise, spike skipping, the best weights kept
            ["train.steps=60", *small, "task.n_val=50", "train.eval_every=20", "model.loops=8",

@@ -4,11 +4,11 @@ LF=${LOOPFORMER:-.venv/bin/loopformer}
 export OMP_NUM_THREADS=1
 SW=(--jobs "${JOBS:-2}" --threads 1 --quiet)
 # the paper's parametrisation: adaLN-Zero gates (0) and one learning rate for all parameters
-PAPER=(model.timestep_gate_init=0 train.timestep_lr_mult=1)
+PAPER=(model.timestep_gate_init=0 train.optim.timestep_lr_mult=1)
 # the circuit's plain 2,000-step recipe (configs/cpu/schedule.yaml before it took the stability study's recipe as its
 # default): the overrides that run it as the depth study's and the stability study's earlier runs were made
-SCHEDULE_AS_RUN=(model.state_noise=0 train.steps=2000 train.skip_spikes=0 train.keep_best=false task.n_val=0
-                 train.eval_every=0 train.timestep_lr_mult=0.1)
+SCHEDULE_AS_RUN=(model.state_noise=0 train.steps=2000 train.select.skip_spikes=0 train.select.keep_best=false
+                 task.n_val=0 train.eval_every=0 train.optim.timestep_lr_mult=0.1)
 
 # ablate DOCS STAGE...: each finished TMLT run of the stages at its trained r on 2,000 test rows — as trained, with
 # the loops' average modulation, without modulation (`analyze dynamics`) — into DOCS/ablations/STAGE/RUN.md

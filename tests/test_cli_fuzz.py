@@ -244,7 +244,7 @@ def config_keys() -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "tiny.yaml").write_text(TINY_YAML)
         keys = _leaves(to_dict(load_run_config(Path(tmp) / "tiny.yaml")))
-    return sorted(keys) + ["no.such.key", "model.nope", "train.lr.deeper", "train", "model", "task.options.zzz"]
+    return sorted(keys) + ["no.such.key", "model.nope", "train.optim.lr.deeper", "train", "model", "task.options.zzz"]
 
 
 KEYS = config_keys()
@@ -296,7 +296,7 @@ def test_the_fuzz_covers_every_command_and_flag():
     (["theory", "rate", "--out", "r", "--deltas", "2,1000"], "loops, more than 100,000"),
     (["theory", "rate", "--out", "r", "--samples", str(10 ** 12)], "lower --samples"),
     (["analyze", "dynamics", "run", "--max-loops", "4096"], "max_loops must be in 1..1024"),
-    (["train", "tiny.yaml", "train.lr=\x1f"], "bad override 'train.lr=\\x1f'"),
+    (["train", "tiny.yaml", "train.optim.lr=\x1f"], "bad override 'train.optim.lr=\\x1f'"),
     (["train", "tiny.yaml", "model.loops=!!python/object:os.system"], "bad override"),
     (["sweep", "tiny.yaml", "--grid", "model.loops=[2,3", "--out", "s"], "bad --grid value"),
     (["sweep", "tiny.yaml", "--grid", "model.loops=2,3", "--out", "\t"], "cannot hold runs"),

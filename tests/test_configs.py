@@ -64,13 +64,13 @@ def test_config_loads_and_builds(path, corpus):
 
 def test_paper_recipes():
     raw = OmegaConf.load(CONFIG_DIR / "wikitext103.yaml")
-    t = raw.train
-    assert (t.lr, t.min_lr, t.warmup_steps, t.steps, t.batch_size, t.schedule) == (2e-4, 6e-5, 2000, 100000, 48,
+    t, o = raw.train, raw.train.optim
+    assert (o.lr, o.min_lr, o.warmup_steps, t.steps, t.batch_size, o.schedule) == (2e-4, 6e-5, 2000, 100000, 48,
                                                                                    "cosine")
-    assert list(t.betas) == [0.9, 0.95] and t.weight_decay == 1e-4 and raw.task.block_size == 1024
+    assert list(o.betas) == [0.9, 0.95] and o.weight_decay == 1e-4 and raw.task.block_size == 1024
     for name in ("sudoku", "countdown", "lcs60", "lcs100", "ed40", "ed60"):
         r = OmegaConf.load(CONFIG_DIR / f"{name}.yaml")
-        assert (r.train.lr, r.train.batch_size, r.train.epochs, r.train.warmup_steps, r.train.weight_decay) == \
-            (1e-4, 64, 50, 5, 0.01)
+        o = r.train.optim
+        assert (o.lr, r.train.batch_size, r.train.epochs, o.warmup_steps, o.weight_decay) == (1e-4, 64, 50, 5, 0.01)
         assert r.model.input_injection is True
-    assert OmegaConf.load(CONFIG_DIR / "sudoku.yaml").train.loss_loops == "all"
+    assert OmegaConf.load(CONFIG_DIR / "sudoku.yaml").train.losses.loops == "all"

@@ -27,7 +27,7 @@ def _run(cmd: list[str], tmp_path: Path) -> None:
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
 def test_two_processes_follow_the_single_process_curve(tmp_path):
     (tmp_path / "tiny.yaml").write_text("seed: 0\n")         # the run is the overrides below
-    common = [str(tmp_path / "tiny.yaml"), *TINY, "train.steps=8", "train.batch_size=16", "train.grad_clip=0.5",
+    common = [str(tmp_path / "tiny.yaml"), *TINY, "train.steps=8", "train.batch_size=16", "train.optim.grad_clip=0.5",
               "train.eval_every=4", "task.n_train=64", "--quiet"]
     _run([sys.executable, "-m", "loopformer.cli", "train", *common, f"out_dir={tmp_path / 'one'}"], tmp_path)
     _run([TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "loopformer.cli", "train", *common,

@@ -23,15 +23,24 @@ def test_config_reference_lists_every_field_with_its_comment():
     page = hooks.config_reference()
     import importlib
 
-    for _section, module, name in hooks.SECTIONS:
-        cls = getattr(importlib.import_module(module), name)
+    classes = [getattr(importlib.import_module(module), name) for _section, module, name in hooks.SECTIONS]
+    for cls in classes:
         for f in dataclasses.fields(cls):
-            if f.init and not dataclasses.is_dataclass(f.default_factory() if callable(f.default_factory) else None):
-                assert f"| `{f.name}` |" in page, (name, f.name)
+            section = f.default_factory() if callable(f.default_factory) else None
+            if dataclasses.is_dataclass(section) and cls.__name__ != "RunConfig":
+                classes.append(type(section))                  # a section's sections: a table each
+            elif f.init and not dataclasses.is_dataclass(section):
+                assert f"| `{f.name}` |" in page, (cls.__name__, f.name)
     assert "| `loop_targets` | `bool` | `False` | tasks with intermediate states" in page
     assert "| `memory_check` | `bool` | `True` |" in page
-    notes = hooks.field_comments(importlib.import_module("loopformer.train.config").TrainConfig)
-    assert notes["loss_loops"].startswith("last | all") and "loss_window" not in notes.get("lr", "")
+    for heading in ("### `train.optim.*` — `OptimConfig`", "### `train.loops.*` — `LoopSampling`",
+                    "### `train.losses.*` — `LossConfig`", "### `train.select.*` — `SelectConfig`",
+                    "### `train.system.*` — `SystemConfig`", "| `train.loops_hold` | `train.loops.hold` |"):
+        assert heading in page
+    config = importlib.import_module("loopformer.train.config")
+    notes = hooks.field_comments(config.LossConfig)
+    assert notes["loops"].startswith("last | all") and "window" not in notes.get("kind", "")
+    assert hooks.field_comments(config.SystemConfig)["compile"].startswith("torch.compile the training step")
 
 
 def test_readme_links_point_at_files():
@@ -65,7 +74,7 @@ def test_readme_python_block_runs(tmp_path, monkeypatch):
     assert (tmp_path / "ckpt" / "model.safetensors").is_file() and not ns["model"].training
 
 
-TINY_RUN = ["train.steps=2", "task.n_train=64", "task.n_test=16", "train.compile=false", "log.tensorboard=false",
+TINY_RUN = ["train.steps=2", "task.n_train=64", "task.n_test=16", "train.system.compile=false", "log.tensorboard=false",
             "eval.batch_size=16"]
 
 

@@ -109,7 +109,7 @@ def test_state_grad_norms_against_the_remaining_loops_run_at_once():
 def test_runs_record_drift_and_per_loop_state_gradients(tmp_path):
     from loopformer.train.trainer import train
     run = tmp_path / "r"
-    res = train(load_run_config(None, [*TINY, "train.steps=4", "train.log_every=2", "train.compile=false",
+    res = train(load_run_config(None, [*TINY, "train.steps=4", "train.log_every=2", "train.system.compile=false",
                                        f"out_dir={run}"]))
     d = res["drift"]
     assert d["loops"] == 3 and len(d["metric_per_loop"]) == 12 and d["verdict"] in ("settling", "marginal", "drifting")
@@ -121,7 +121,7 @@ def test_runs_record_drift_and_per_loop_state_gradients(tmp_path):
     dyn = [r for r in recs if r["split"] == "dynamics"]
     assert dyn and all(len(r["state_grad"]) == 3 and all(g >= 0 for g in r["state_grad"]) for r in dyn)
     assert any(g > 0 for g in dyn[-1]["state_grad"])
-    off = train(load_run_config(None, [*TINY, "train.steps=1", "eval.drift=false", "train.compile=false",
+    off = train(load_run_config(None, [*TINY, "train.steps=1", "eval.drift=false", "train.system.compile=false",
                                        f"out_dir={tmp_path / 'off'}"]))
     assert "drift" not in off
 
@@ -130,7 +130,7 @@ def test_eval_drift_flag_prints_the_verdict(tmp_path, capsys):
     from loopformer.cli import main
     from loopformer.train.trainer import train
     run = tmp_path / "r"
-    train(load_run_config(None, [*TINY, "train.steps=2", "train.compile=false", f"out_dir={run}"]))
+    train(load_run_config(None, [*TINY, "train.steps=2", "train.system.compile=false", f"out_dir={run}"]))
     js = tmp_path / "e.json"
     assert main(["eval", str(run), "--drift", "--quiet", "--json", str(js)]) == 0
     out = capsys.readouterr().out

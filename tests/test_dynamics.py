@@ -30,7 +30,7 @@ from loopformer.train.trainer import train
 
 TINY = ["task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=96",
         "task.n_test=40", "model.d_model=16", "model.n_heads=2", "model.loops=3", "model.input_injection=true",
-        "train.batch_size=8", "train.lr=3e-3", "train.log_every=2", "eval.batch_size=64", "eval.max_loops=4",
+        "train.batch_size=8", "train.optim.lr=3e-3", "train.log_every=2", "eval.batch_size=64", "eval.max_loops=4",
         "log.tensorboard=false", "log.progress=false"]
 
 
@@ -187,10 +187,10 @@ def test_param_groups_and_grad_norms():
 
 
 def test_optimizer_timestep_groups(tmp_path):
-    cfg = load_run_config(None, [*TINY, "model.timestep=true", "train.steps=1", "train.timestep_lr_mult=0.1",
-                                 "train.timestep_weight_decay=0.0", f"out_dir={tmp_path}"])
+    cfg = load_run_config(None, [*TINY, "model.timestep=true", "train.steps=1", "train.optim.timestep_lr_mult=0.1",
+                                 "train.optim.timestep_weight_decay=0.0", f"out_dir={tmp_path}"])
     model = LoopedTransformer(cfg.model)
-    opt = make_optimizer(model, cfg.train)
+    opt = make_optimizer(model, cfg.train.optim)
     by_id = {id(p): n for n, p in model.named_parameters()}
     for g in opt.param_groups:
         ts = {is_timestep_param(by_id[id(p)]) for p in g["params"]}
@@ -199,16 +199,17 @@ def test_optimizer_timestep_groups(tmp_path):
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
     assert all(g["weight_decay"] == 0.0 for g in opt.param_groups if g["lr_mult"] == 0.1)
     # without timestep encoding: the two plain groups only
-    assert len(make_optimizer(LoopedTransformer(cfg.model.replace(timestep=False)), cfg.train).param_groups) == 2
+    assert len(make_optimizer(LoopedTransformer(cfg.model.replace(timestep=False)), cfg.train.optim).param_groups) == 2
 
 
 def test_timestep_lr_mult_scales_the_step(tmp_path):
     """With lr_mult the timestep parameters move by exactly the multiplier's share of an Adam step."""
     base = [*TINY, "model.timestep=true", "model.timestep_gate_init=1.0", "train.steps=1",
-            "train.schedule=constant", "train.warmup_steps=0", "train.grad_clip=0", "train.weight_decay=0"]
+            "train.optim.schedule=constant", "train.optim.warmup_steps=0", "train.optim.grad_clip=0",
+            "train.optim.weight_decay=0"]
     deltas = {}
     for mult in (1.0, 0.25):
-        cfg = load_run_config(None, [*base, f"train.timestep_lr_mult={mult}", f"out_dir={tmp_path / str(mult)}"])
+        cfg = load_run_config(None, [*base, f"train.optim.timestep_lr_mult={mult}", f"out_dir={tmp_path / str(mult)}"])
         torch.manual_seed(0)
         model = LoopedTransformer(cfg.model)
         before = model.blocks[0].modulation.bias.detach().clone()

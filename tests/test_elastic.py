@@ -30,8 +30,8 @@ from loopformer.train.trainer import Trainer, train
 
 TINY = ["task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=96",
         "task.n_test=40", "model.d_model=16", "model.n_heads=2", "model.loops=3", "model.input_injection=true",
-        "train.batch_size=8", "train.lr=3e-3", "train.log_every=1", "eval.batch_size=64", "eval.max_loops=6",
-        "log.tensorboard=false", "log.progress=false", "train.compile=false"]
+        "train.batch_size=8", "train.optim.lr=3e-3", "train.log_every=1", "eval.batch_size=64", "eval.max_loops=6",
+        "log.tensorboard=false", "log.progress=false", "train.system.compile=false"]
 
 
 def tiny(tmp_path: Path, *extra: str, name: str = "run"):
@@ -137,76 +137,80 @@ def test_normalized_config_errors():
 
 # ------------------------------------------------------------------ budgets in training
 def test_sample_loops_deterministic_in_range_and_spread():
-    cfg = load_run_config(None, [*TINY, "train.loops_sample=uniform", "train.loops_min=2", "train.loops_max=9"]).train
+    cfg = load_run_config(None, [*TINY, "train.loops.sample=uniform", "train.loops.min=2",
+                                 "train.loops.max=9"]).train.loops
     a = np.concatenate([sample_loops(cfg, s, 3, seed=0, rows=16) for s in range(500)])
     b = np.concatenate([sample_loops(cfg, s, 3, seed=0, rows=16) for s in range(500)])
     assert np.array_equal(a, b) and a.min() == 2 and a.max() == 9
     counts = np.bincount(a, minlength=10)[2:]
     assert counts.min() > 0.8 * len(a) / 8                                          # uniform over 2..9
     assert not np.array_equal(a, np.concatenate([sample_loops(cfg, s, 3, seed=1, rows=16) for s in range(500)]))
-    log = load_run_config(None, [*TINY, "train.loops_sample=loguniform", "train.loops_max=15"]).train
+    log = load_run_config(None, [*TINY, "train.loops.sample=loguniform", "train.loops.max=15"]).train.loops
     draws = np.concatenate([sample_loops(log, s, 3, seed=0, rows=16) for s in range(1000)])
     octaves = [((draws >= lo) & (draws < 2 * lo)).mean() for lo in (1, 2, 4, 8)]    # each octave about 1/4
     assert draws.min() >= 1 and draws.max() <= 15 and all(abs(o - 0.25) < 0.03 for o in octaves)
-    fixed = load_run_config(None, [*TINY, "train.loops_start=1", "train.loops_every=2"]).train
+    fixed = load_run_config(None, [*TINY, "train.loops.start=1", "train.loops.every=2"]).train.loops
     assert [int(sample_loops(fixed, s, 3, 0)[0]) for s in range(6)] == [loops_at(fixed, s, 3) for s in range(6)]
 
 
 def test_a_curriculum_runs_before_the_budgets_are_drawn(tmp_path):
     """With a loop curriculum the drawn budgets start once it has reached the model's loops: its counts 1, 1, 2,
     2 at steps 0-3 (start 1, +1 every 2 steps, r = 3), the draws from step 4 on — here past r, up to 7."""
-    cfg = load_run_config(None, [*TINY, "train.loops_start=1", "train.loops_every=2", "train.loops_sample=uniform",
-                                 "train.loops_min=3", "train.loops_max=7"]).train
+    cfg = load_run_config(None, [*TINY, "train.loops.start=1", "train.loops.every=2", "train.loops.sample=uniform",
+                                 "train.loops.min=3", "train.loops.max=7"]).train.loops
     got = [int(sample_loops(cfg, s, 3, 0)[0]) for s in range(40)]
     assert got[:4] == [1, 1, 2, 2]
-    drawn = load_run_config(None, [*TINY, "train.loops_sample=uniform", "train.loops_min=3",
-                                   "train.loops_max=7"]).train
+    drawn = load_run_config(None, [*TINY, "train.loops.sample=uniform", "train.loops.min=3",
+                                   "train.loops.max=7"]).train.loops
     assert got[4:] == [int(sample_loops(drawn, s, 3, 0)[0]) for s in range(4, 40)]   # the same draws as without
     assert set(got[4:]) == {3, 4, 5, 6, 7}
     rows = sample_loops(cfg, 1, 3, 0, rows=5)                                        # per row: the curriculum's
     assert rows.tolist() == [1] * 5
-    run = tiny(tmp_path, "train.steps=8", "train.loops_start=1", "train.loops_every=2", "train.loops_sample=uniform",
-               "train.loops_min=3", "train.loops_max=7", "train.loss_loops=all")
+    run = tiny(tmp_path, "train.steps=8", "train.loops.start=1", "train.loops.every=2", "train.loops.sample=uniform",
+               "train.loops.min=3", "train.loops.max=7", "train.losses.loops=all")
     train(run)
     logged = [r["loops"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
-    assert logged == [int(sample_loops(run.train, s, 3, 0)[0]) for s in range(8)] and logged[:4] == [1, 1, 2, 2]
+    assert logged == [int(sample_loops(run.train.loops, s, 3, 0)[0]) for s in range(8)]
+    assert logged[:4] == [1, 1, 2, 2]
 
 
 def test_loops_hold_draws_r_to_f_r_after_the_curriculum_and_follows_r(tmp_path):
-    """train.loops_hold=f: the curriculum's counts, then uniform draws over r..⌈f·r⌉ — the very draws of
-    loops_sample=uniform loops_min=r loops_max=⌈f·r⌉ — for any r (3..8 at r = 3, 5..12 at r = 5 with f = 2.34)."""
+    """train.loops.hold=f: the curriculum's counts, then uniform draws over r..⌈f·r⌉ — the very draws of
+    train.loops.sample=uniform, min=r, max=⌈f·r⌉ — for any r (3..8 at r = 3, 5..12 at r = 5 with f = 2.34)."""
     for r, hi in ((3, 8), (5, 12)):
-        hold = load_run_config(None, [*TINY, f"model.loops={r}", "train.loops_start=1", "train.loops_every=2",
-                                      "train.loops_hold=2.34"]).train
-        same = load_run_config(None, [*TINY, f"model.loops={r}", "train.loops_start=1", "train.loops_every=2",
-                                      "train.loops_sample=uniform", f"train.loops_min={r}",
-                                      f"train.loops_max={hi}"]).train
+        hold = load_run_config(None, [*TINY, f"model.loops={r}", "train.loops.start=1", "train.loops.every=2",
+                                      "train.loops.hold=2.34"]).train.loops
+        same = load_run_config(None, [*TINY, f"model.loops={r}", "train.loops.start=1", "train.loops.every=2",
+                                      "train.loops.sample=uniform", f"train.loops.min={r}",
+                                      f"train.loops.max={hi}"]).train.loops
         got = np.concatenate([sample_loops(hold, s, r, 0, rows=4) for s in range(300)])
         assert np.array_equal(got, np.concatenate([sample_loops(same, s, r, 0, rows=4) for s in range(300)]))
         assert set(got[4 * 2 * (r - 1):].tolist()) == set(range(r, hi + 1))            # after the curriculum
         assert sample_loops(hold, 0, r, 0).tolist() == [1]                             # the curriculum first
-    late = load_run_config(None, [*TINY, "train.loops_hold=2", "train.loops_sample_from=30"]).train
+    late = load_run_config(None, [*TINY, "train.loops.hold=2", "train.loops.sample_from=30"]).train.loops
     drawn = [int(sample_loops(late, s, 3, 0)[0]) for s in range(60)]
     assert drawn[:30] == [3] * 30                                                     # r until step 30 ...
-    now = load_run_config(None, [*TINY, "train.loops_hold=2"]).train
+    now = load_run_config(None, [*TINY, "train.loops.hold=2"]).train.loops
     assert drawn[30:] == [int(sample_loops(now, s, 3, 0)[0]) for s in range(30, 60)]  # ... then the same draws
     assert set(drawn[30:]) == {3, 4, 5, 6}
-    run = tiny(tmp_path, "train.steps=6", "train.loops_hold=2", "train.loss_loops=all")
+    run = tiny(tmp_path, "train.steps=6", "train.loops.hold=2", "train.losses.loops=all")
     res = train(run)
     logged = [r["loops"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
-    assert logged == [int(sample_loops(run.train, s, 3, 0)[0]) for s in range(6)] and set(logged) <= {3, 4, 5, 6}
+    assert logged == [int(sample_loops(run.train.loops, s, 3, 0)[0]) for s in range(6)]
+    assert set(logged) <= {3, 4, 5, 6}
     assert res["loops_sample"]["kind"] == "hold" and res["loops_sample"]["range"] == [3, 6]
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["train.loops_hold=1"], "loops_hold must be 0"),
-    (["train.loops_hold=2", "train.loops_sample_from=-1"], "loops_sample_from must be >= 0"),
-    (["train.loops_hold=-2"], "loops_hold must be 0"),
-    (["train.loops_hold=2", "train.loops_sample=uniform"], "leave train.loops_sample at fixed"),
-    (["train.loops_sample=uniform", "train.loops_min=5"], "exceeds the largest budget"),
-    (["train.loops_sample=uniform", "train.loops_sample_per=row", "train.loss_loops=all"], "loss_loops=last"),
-    (["train.loops_sample=uniform", "train.loops_sample_per=row", "train.fixed_point=1"], "loops_sample_per=batch"),
-    (["train.loops_sample=sometimes"], "loops_sample must be one of"),
+    (["train.loops.hold=1"], "loops.hold must be 0"),
+    (["train.loops.hold=2", "train.loops.sample_from=-1"], "loops.sample_from must be >= 0"),
+    (["train.loops.hold=-2"], "loops.hold must be 0"),
+    (["train.loops.hold=2", "train.loops.sample=uniform"], "leave train.loops.sample at fixed"),
+    (["train.loops.sample=uniform", "train.loops.min=5"], "exceeds the largest budget"),
+    (["train.loops.sample=uniform", "train.loops.sample_per=row", "train.losses.loops=all"], "losses.loops=last"),
+    (["train.loops.sample=uniform", "train.loops.sample_per=row", "train.losses.fixed_point=1"],
+     "loops.sample_per=batch"),
+    (["train.loops.sample=sometimes"], "loops.sample must be one of"),
     (["eval.budgets=[0,2]"], "eval.budgets"),
 ])
 def test_budget_config_errors(extra, match):
@@ -217,35 +221,35 @@ def test_budget_config_errors(extra, match):
 def test_budget_config_error_is_one_line_exit_2(tmp_path, capsys):
     demo = Path(__file__).resolve().parents[1] / "configs" / "cpu" / "demo.yaml"
     rc = main(["train", str(demo), "--quiet", *TINY, f"out_dir={tmp_path / 'r'}", "train.steps=2",
-               "train.loops_sample=uniform", "train.loops_min=9"])
+               "train.loops.sample=uniform", "train.loops.min=9"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and "\n" not in err and "loops_min" in err and not (tmp_path / "r").exists()
+    assert rc == 2 and "\n" not in err and "loops.min" in err and not (tmp_path / "r").exists()
 
 
 def test_training_draws_the_budget_of_each_step(tmp_path):
-    cfg = tiny(tmp_path, "train.steps=8", "train.loops_sample=uniform", "train.loops_min=1", "train.loops_max=5",
-               "train.loss_loops=all")
+    cfg = tiny(tmp_path, "train.steps=8", "train.loops.sample=uniform", "train.loops.min=1", "train.loops.max=5",
+               "train.losses.loops=all")
     res = train(cfg)
     got = [r["loops"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
-    assert got == [int(sample_loops(cfg.train, s, 3, 0)[0]) for s in range(8)] and len(set(got)) > 1
+    assert got == [int(sample_loops(cfg.train.loops, s, 3, 0)[0]) for s in range(8)] and len(set(got)) > 1
     assert res["loops_sample"] == {"kind": "uniform", "per": "batch", "range": [1, 5]}
 
 
 def test_budgets_compose_with_deep_supervision_and_the_exit_gate(tmp_path):
     """Drawn per batch, the budget is the loops of every supervision step; the exit gate learns on the drawn
     loops."""
-    cfg = tiny(tmp_path, "train.steps=4", "train.loops_sample=uniform", "train.loops_max=4",
+    cfg = tiny(tmp_path, "train.steps=4", "train.loops.sample=uniform", "train.loops.max=4",
                "model.supervision_steps=2", "model.exit_gate=true", "eval.budgets=[2,6]")
     res = train(cfg)
     got = [r["loops"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
-    assert got == [int(sample_loops(cfg.train, s, 3, 0)[0]) for s in range(4)]
+    assert got == [int(sample_loops(cfg.train.loops, s, 3, 0)[0]) for s in range(4)]
     assert res["total_loops"] == 6 and [b["loops"] for b in res["budgets"]["budgets"]] == [2, 6]
 
 
 def test_resume_with_row_budgets_and_consistency_equals_uninterrupted(tmp_path, train_killed_at):
-    extra = ["train.steps=8", "train.eval_every=3", "train.loops_sample=uniform", "train.loops_sample_per=row",
-             "train.loops_max=5", "train.consistency=0.5", "model.timestep=true", "model.timestep_time=normalized",
-             "eval.budgets=[1,3,6]"]
+    extra = ["train.steps=8", "train.eval_every=3", "train.loops.sample=uniform", "train.loops.sample_per=row",
+             "train.loops.max=5", "train.losses.consistency=0.5", "model.timestep=true",
+             "model.timestep_time=normalized", "eval.budgets=[1,3,6]"]
     train(tiny(tmp_path, *extra, name="full"))
     train_killed_at(tiny(tmp_path, *extra, name="cut"), 5)
     train(load_for_resume(tmp_path / "cut"), resume=True)
@@ -285,7 +289,7 @@ def _step_grads(cfg) -> dict[str, torch.Tensor]:
 def test_elastic_losses_match_hand_written(tmp_path, kind):
     """One step's gradients equal those of the task loss + the elastic loss written out by hand."""
     w = 0.7
-    extra = ["train.steps=1", "train.grad_clip=0", f"train.{kind}={w}", "train.fixed_point_loops=2"]
+    extra = ["train.steps=1", "train.optim.grad_clip=0", f"train.losses.{kind}={w}", "train.losses.fixed_point_loops=2"]
     grads, t = _step_grads(tiny(tmp_path, *extra))
     model, data, R = t.model, t.data, 3
     b = data.fetch(data.plan(0, 8), 0)
@@ -350,7 +354,7 @@ def test_evaluate_budgets_runs_each_budget(tmp_path):
 
 
 def test_eval_budgets_cli_against_and_errors(tmp_path, capsys):
-    train(tiny(tmp_path, "train.steps=3", "train.loops_sample=uniform", "train.loops_max=4", name="elastic"))
+    train(tiny(tmp_path, "train.steps=3", "train.loops.sample=uniform", "train.loops.max=4", name="elastic"))
     train(tiny(tmp_path, "train.steps=3", name="fixed"))
     train(tiny(tmp_path, "train.steps=3", "task.options={length: 4, alphabet_min: 2, alphabet_max: 3}",
                name="other"))

@@ -1,6 +1,6 @@
-"""Sharded data parallelism (`train.parallel=fsdp`) with `torchrun` on CPU (gloo): two processes follow the loss curve
-of one process with the whole batch; a distributed checkpoint written by 2 processes resumes on 1 (and one written by
-1 on 2) with the losses of an uninterrupted run; the full weights written beside the shards, and the export rebuilt
+"""Sharded data parallelism (`train.system.parallel=fsdp`) with `torchrun` on CPU (gloo): two processes follow the loss
+curve of one process with the whole batch; a distributed checkpoint written by 2 processes resumes on 1 (and one written
+by 1 on 2) with the losses of an uninterrupted run; the full weights written beside the shards, and the export rebuilt
 from the shards alone, load with `loopformer.load` and evaluate to the run's metrics; bad launches and damaged
 checkpoints are one line with exit status 2."""
 
@@ -29,7 +29,7 @@ needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found
 BASE = """seed: 0
 task: {name: lcs, options: {length: 3, alphabet_min: 2, alphabet_max: 3}, n_train: 64, n_test: 40}
 model: {d_model: 16, n_heads: 2, loops: 3, input_injection: true}
-train: {batch_size: 16, lr: 3.0e-3, log_every: 1, steps: 8, grad_clip: 0.5, eval_every: 4}
+train: {batch_size: 16, log_every: 1, steps: 8, eval_every: 4, optim: {lr: 3.0e-3, grad_clip: 0.5}}
 eval: {batch_size: 64, max_loops: 6}
 log: {tensorboard: false, progress: false}
 """
@@ -80,7 +80,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     (d / "base.yaml").write_text(BASE)
     (d / "stop.py").write_text(STOP)
     one = one_process(d, "one")
-    torchrun(d, 2, "stop.py", "4", "base.yaml", "train.parallel=fsdp", f"out_dir={d / 'sharded'}")
+    torchrun(d, 2, "stop.py", "4", "base.yaml", "train.system.parallel=fsdp", f"out_dir={d / 'sharded'}")
     stopped = d / "stopped"                        # the checkpoint two processes wrote, kept for the error tests
     shutil.copytree(d / "sharded", stopped)
     torchrun(d, 1, "-m", "loopformer.cli", "train", "--resume", str(d / "sharded"), "--quiet")
@@ -126,10 +126,11 @@ def one_line_exit_2(capsys, argv: list[str], needle: str) -> None:
 def test_fsdp_without_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     (tmp_path / "base.yaml").write_text(BASE)
-    one_line_exit_2(capsys, ["train", str(tmp_path / "base.yaml"), "train.parallel=fsdp", f"out_dir={tmp_path / 'r'}",
-                             "--quiet"], "launch with torchrun")
+    one_line_exit_2(capsys, ["train", str(tmp_path / "base.yaml"), "train.system.parallel=fsdp",
+                             f"out_dir={tmp_path / 'r'}", "--quiet"], "launch with torchrun")
     assert not (tmp_path / "r").exists()
-    one_line_exit_2(capsys, ["train", str(tmp_path / "base.yaml"), "train.parallel=zero"], "train.parallel must be")
+    one_line_exit_2(capsys, ["train", str(tmp_path / "base.yaml"), "train.system.parallel=zero"],
+                    "train.system.parallel must be")
 
 
 @needs_torchrun
@@ -137,8 +138,8 @@ def test_a_sharded_checkpoint_resumed_without_sharding_is_one_line(runs, tmp_pat
     run = tmp_path / "run"
     shutil.copytree(runs["stopped"], run)
     before = sorted(p.name for p in (run / "checkpoint").rglob("*"))
-    one_line_exit_2(capsys, ["train", "--resume", str(run), "train.parallel=ddp", "--quiet"],
-                    "written with train.parallel=fsdp")
+    one_line_exit_2(capsys, ["train", "--resume", str(run), "train.system.parallel=ddp", "--quiet"],
+                    "written with train.system.parallel=fsdp")
     assert sorted(p.name for p in (run / "checkpoint").rglob("*")) == before
 
 
@@ -161,7 +162,7 @@ def test_export_refuses_damaged_shards_and_user_folders(runs, tmp_path, capsys):
 @needs_torchrun
 def test_a_checkpoint_of_one_sharded_process_resumes_on_two(runs, tmp_path):
     d = runs["dir"]
-    torchrun(d, 1, "stop.py", "4", "base.yaml", "train.parallel=fsdp", f"out_dir={tmp_path / 'r'}")
+    torchrun(d, 1, "stop.py", "4", "base.yaml", "train.system.parallel=fsdp", f"out_dir={tmp_path / 'r'}")
     torchrun(d, 2, "-m", "loopformer.cli", "train", "--resume", str(tmp_path / "r"), "--quiet")
     assert losses(tmp_path / "r") == pytest.approx(losses(runs["one"]), rel=1e-5, abs=1e-6)
 
@@ -181,20 +182,20 @@ def test_a_missing_shard_stops_the_resume_in_one_line(runs, tmp_path):
 @pytest.mark.slow
 @needs_torchrun
 @pytest.mark.parametrize("variant", [
-    ["model.timestep=true", "train.loss_loops=all", "train.ema_decay=0.9", "train.grad_accum=2",
+    ["model.timestep=true", "train.losses.loops=all", "train.select.ema_decay=0.9", "train.grad_accum=2",
      "model.exit_gate=true"],
     ["model.checkpoint=true", "model.n_layers=2"],
-    ["train.compile=true", "train.compile_scope=block"],
+    ["train.system.compile=true", "train.system.compile_scope=block"],
 ], ids=["tmlt-perloop-ema-gate-accum", "activation-checkpointing-two-layers", "compiled-block"])
 def test_variants_follow_one_process(runs, tmp_path, variant):
     d = runs["dir"]
     one = one_process(d, f"one-{'-'.join(v.split('=')[0] for v in variant)}", *variant)
-    torchrun(d, 2, "-m", "loopformer.cli", "train", "base.yaml", "train.parallel=fsdp", *variant,
+    torchrun(d, 2, "-m", "loopformer.cli", "train", "base.yaml", "train.system.parallel=fsdp", *variant,
              f"out_dir={tmp_path / 'two'}", "--quiet")
     assert losses(tmp_path / "two") == pytest.approx(losses(one), rel=1e-5, abs=1e-6)
     ra, rb = read_results(one), read_results(tmp_path / "two")
     assert rb["test"] == pytest.approx(ra["test"], abs=1e-6)
-    if "train.ema_decay=0.9" in variant:
+    if "train.select.ema_decay=0.9" in variant:
         assert rb["test_ema"] == pytest.approx(ra["test_ema"], abs=1e-6)
 
 
@@ -215,13 +216,13 @@ def test_a_language_model_follows_one_process(runs, tmp_path):
     (tmp_path / "lm.yaml").write_text(f"""seed: 0
 task: {{name: text, data_dir: {tmp_path / 'data'}, block_size: 16, eval_windows: 8}}
 model: {{d_model: 16, n_heads: 2, loops: 3, tie_embeddings: true, timestep: true, timestep_gate_init: 0.0}}
-train: {{batch_size: 8, lr: 3.0e-3, log_every: 1, steps: 6, eval_every: 3}}
+train: {{batch_size: 8, log_every: 1, steps: 6, eval_every: 3, optim: {{lr: 3.0e-3}}}}
 eval: {{batch_size: 8, max_loops: 4}}
 log: {{tensorboard: false, progress: false}}
 """)
     one = tmp_path / "one"
     train(load_run_config(str(tmp_path / "lm.yaml"), [f"out_dir={one}"]), progress=False)
-    torchrun(tmp_path, 2, "-m", "loopformer.cli", "train", "lm.yaml", "train.parallel=fsdp",
+    torchrun(tmp_path, 2, "-m", "loopformer.cli", "train", "lm.yaml", "train.system.parallel=fsdp",
              f"out_dir={tmp_path / 'two'}", "--quiet")
     assert len(losses(one)) == 6
     assert losses(tmp_path / "two") == pytest.approx(losses(one), rel=1e-5, abs=1e-6)

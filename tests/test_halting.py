@@ -238,12 +238,12 @@ def test_per_loop_losses_and_correct_by_hand():
 def _copy_task(steps: int, exit_loss: str) -> tuple[list[float], torch.Tensor]:
     """A bidirectional model learns to copy its input (right after one loop) while its gate learns when to stop:
     (gate loss per step, the mean stop probability after each loop on fresh data)."""
-    from loopformer.train.config import TrainConfig
+    from loopformer.train.config import LossConfig
     from loopformer.train.losses import exit_loss as gate_loss
     torch.manual_seed(0)
     model = LoopedTransformer(ModelConfig(vocab_size=8, max_len=4, d_model=32, n_heads=2, loops=3, causal=False,
                                           exit_gate=True, input_injection=True))
-    tc = TrainConfig(steps=steps, exit_loss=exit_loss, exit_entropy_weight=0.01)
+    tc = LossConfig(exit_loss=exit_loss, exit_entropy_weight=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     history = []
     for _ in range(steps):
@@ -285,7 +285,7 @@ def test_training_with_an_exit_gate(tmp_path):
         cfg = load_run_config(None, [
             "task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=32",
             "task.n_test=16", "task.answer_only=true", "model.d_model=16", "model.n_heads=2", "model.loops=2",
-            "model.exit_gate=true", f"train.exit_loss={loss}", "train.steps=3", "train.batch_size=8",
+            "model.exit_gate=true", f"train.losses.exit_loss={loss}", "train.steps=3", "train.batch_size=8",
             "eval.max_loops=3", "log.tensorboard=false", "log.progress=false", f"out_dir={tmp_path / loss}"])
         res = train(cfg)
         assert math.isfinite(res["test"]["accuracy"])

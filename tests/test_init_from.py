@@ -35,7 +35,7 @@ def test_a_run_starts_from_the_source_weights_with_a_fresh_schedule(tmp_path, mo
 
     monkeypatch.setattr(Trainer, "step", spy)
     # other loop settings than the source (the hold of a fine-tuning run): only the shapes must match
-    cfg = load_run_config(None, [*BASE, f"train.init_from={src}", "train.loops_hold=2", f"out_dir={tmp_path / 'ft'}"])
+    cfg = load_run_config(None, [*BASE, f"train.init_from={src}", "train.loops.hold=2", f"out_dir={tmp_path / 'ft'}"])
     train(cfg)
     want = _weights(src)
     assert int(first.pop("_lr_step")) == 0                                # the schedule starts at step 0

@@ -311,7 +311,7 @@ def _train(folder, *extra, base=tuple(LG)) -> int:
 
 
 def test_each_row_runs_the_loops_of_its_size(tmp_path):
-    cfg = load_run_config(None, [*LG, f"out_dir={tmp_path / 'r'}", "train.loop_jitter=2", "train.grad_accum=2"])
+    cfg = load_run_config(None, [*LG, f"out_dir={tmp_path / 'r'}", "train.loops.jitter=2", "train.grad_accum=2"])
     d = setup("cpu")
     try:
         tr = Trainer(cfg, d, resume=False, overwrite=True)
@@ -332,7 +332,7 @@ def test_loop_rule_rows_are_scored_on_their_own_step_t_in_a_length_curriculum(tm
             "task.loop_targets=true", "task.length_start=3", "task.length_every=100", "task.n_train=256",
             "task.n_test=16", "model.d_model=16", "model.n_heads=2", "model.pos=rope", "model.attn_window=2",
             "model.input_injection=true", "model.loops=8", "model.loop_rule=linear:1,0", "train.steps=2",
-            "train.batch_size=8", "train.loss_loops=all", "train.compile=false", "log.tensorboard=false",
+            "train.batch_size=8", "train.losses.loops=all", "train.system.compile=false", "log.tensorboard=false",
             "log.progress=false", "log.dynamics=false", "eval.drift=false", f"out_dir={tmp_path / 'r'}"]
     seen = []
     orig = Trainer.forward_loss
@@ -506,8 +506,8 @@ def test_a_rule_must_cover_the_training_sizes(tmp_path, capsys):
     assert _train(tmp_path, "task.name=lcs", "task.options={length: 3}",
                   base=[a for a in LG if not a.startswith("task.options")]) == 2
     assert "reads every row's size" in capsys.readouterr().err
-    assert _train(tmp_path, "train.loops_sample=uniform") == 2
-    assert "excludes train.loops_sample" in capsys.readouterr().err
+    assert _train(tmp_path, "train.loops.sample=uniform") == 2
+    assert "excludes train.loops.sample" in capsys.readouterr().err
     assert _train(tmp_path, "model.pos=learned", "model.loop_rule=fixed", "eval.lengths=[8,30]") == 2   # at start
     assert "positions" in capsys.readouterr().err
     assert not (tmp_path / "r" / "checkpoint").exists()
@@ -667,8 +667,8 @@ def test_copy_trains_on_its_scan_and_is_evaluated_at_other_lengths(tmp_path, mon
 
     monkeypatch.setattr(Trainer, "forward_loss", spy)
     assert _train(tmp_path, "task.name=copy", "task.options={length: 6, min_length: 1, scan: true}",
-                  "task.full_output=true", "task.loop_targets=true", "train.loss_loops=all", "model.pos=rope",
-                  "model.attn_window=2", "train.compile=false", "eval.lengths=[12]") == 0
+                  "task.full_output=true", "task.loop_targets=true", "train.losses.loops=all", "model.pos=rope",
+                  "model.attn_window=2", "train.system.compile=false", "eval.lengths=[12]") == 0
     assert seen and all(t.dim() == 3 and 1 <= t.shape[0] <= 6 for t in seen)     # [R,B,T], R <= T(6) = 6 loops
     assert any((t[0] != IGNORE).any() and (t[0] == IGNORE).sum() > (t[-1] == IGNORE).sum() for t in seen)
     res = json.loads((tmp_path / "r" / "results.json").read_text())

@@ -1,4 +1,4 @@
-"""timestep_past="own" (the loops past r read a modulation and an injection scale of their own) and train.freeze
+"""timestep_past="own" (the loops past r read a modulation and an injection scale of their own) and train.optim.freeze
 (parameter groups that keep their values): loops 1..r never read the own parameters, a model started from weights
 without them runs exactly as with the hold index, and a frozen fine-tuning run changes only what it trains."""
 
@@ -104,8 +104,8 @@ def test_a_frozen_fine_tuning_run_trains_only_the_loops_past_r(tmp_path):
     train(load_run_config(None, [*FT, f"out_dir={src}", "model.timestep_past=hold"]))
     ft = tmp_path / "ft"
     train(load_run_config(None, [*FT, f"out_dir={ft}", f"train.init_from={src}", "model.timestep_past=own",
-                                 "train.loops_hold=3", "train.lr=1e-2",
-                                 "train.freeze=[embedding,block,timestep,modulation,head]"]))
+                                 "train.loops.hold=3", "train.optim.lr=1e-2",
+                                 "train.optim.freeze=[embedding,block,timestep,modulation,head]"]))
     want, got = load_file(str(src / "checkpoint" / "model.safetensors")), \
         load_file(str(ft / "checkpoint" / "model.safetensors"))
     assert set(got) - set(want) == {"blocks.0.past_modulation", "past_injection"}
@@ -114,13 +114,13 @@ def test_a_frozen_fine_tuning_run_trains_only_the_loops_past_r(tmp_path):
 
 
 @pytest.mark.parametrize("freeze,needle", [
-    ("[block,bogus]", "train.freeze lists parameter groups"),
+    ("[block,bogus]", "train.optim.freeze lists parameter groups"),
     ("[embedding,block,head]", "leaves no parameter to train"),
 ])
 def test_freeze_refusals(tmp_path, capsys, freeze, needle):
     (tmp_path / "c.yaml").write_text("name: f\n")
     out = tmp_path / "f"
-    assert main(["train", str(tmp_path / "c.yaml"), "--quiet", *TINY, "train.steps=2", f"train.freeze={freeze}",
+    assert main(["train", str(tmp_path / "c.yaml"), "--quiet", *TINY, "train.steps=2", f"train.optim.freeze={freeze}",
                  f"out_dir={out}"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1

@@ -175,9 +175,9 @@ TINY = ["task.name=sudoku", "task.options={blanks: 30}", "task.n_train=32", "tas
         "task.position_factors=true",
         "model.d_model=16", "model.n_heads=2", "model.loops=2", "model.supervision_steps=2",
         "model.input_injection=true", "model.timestep=true", "model.exit_gate=true", "model.dropout=0.1",
-        "train.batch_size=8", "train.lr=3e-3", "train.log_every=1", "train.ema_decay=0.9", "train.loss_loops=all",
-        "eval.batch_size=64", "eval.max_loops=6", "eval.votes=2", "log.tensorboard=false", "log.progress=false",
-        "log.dynamics=false"]
+        "train.batch_size=8", "train.optim.lr=3e-3", "train.log_every=1", "train.select.ema_decay=0.9",
+        "train.losses.loops=all", "eval.batch_size=64", "eval.max_loops=6", "eval.votes=2", "log.tensorboard=false",
+        "log.progress=false", "log.dynamics=false"]
 
 
 def test_resume_with_the_whole_recipe_is_exact(tmp_path, train_killed_at):
@@ -212,7 +212,7 @@ def test_resume_with_the_whole_recipe_is_exact(tmp_path, train_killed_at):
 
 def test_exit_gate_across_steps_needs_the_target_loss(tmp_path):
     with pytest.raises(UserError, match="exit_loss must be 'target'"):
-        load_run_config(None, [*TINY, f"out_dir={tmp_path}", "train.steps=2", "train.exit_loss=distribution"])
+        load_run_config(None, [*TINY, f"out_dir={tmp_path}", "train.steps=2", "train.losses.exit_loss=distribution"])
 
 
 def test_step_exits_stop_at_the_first_confident_step():

@@ -21,7 +21,7 @@ from loopformer.train.trainer import train
 
 TINY = ["task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=96",
         "task.n_test=24", "model.d_model=16", "model.n_heads=2", "model.loops=2", "model.input_injection=true",
-        "model.dropout=0.1", "train.batch_size=8", "train.lr=3e-3", "eval.batch_size=64", "eval.max_loops=3",
+        "model.dropout=0.1", "train.batch_size=8", "train.optim.lr=3e-3", "eval.batch_size=64", "eval.max_loops=3",
         "log.tensorboard=false", "log.progress=false"]
 
 
@@ -221,7 +221,7 @@ def test_recover_checkpoint_picks_the_newest_complete_folder(tmp_path):
 # ---------------------------------------------------------------------------------------------- 3. non-finite
 def test_nan_weights_are_never_checkpointed(tmp_path, capsys):
     run = tmp_path / "run"
-    cfg = tiny(run, "train.steps=10", "train.eval_every=2", "train.log_every=5", "train.grad_clip=0")
+    cfg = tiny(run, "train.steps=10", "train.eval_every=2", "train.log_every=5", "train.optim.grad_clip=0")
     model_box = {}
 
     import loopformer.train.trainer as trainer_mod
@@ -251,8 +251,8 @@ def test_nan_weights_are_never_checkpointed(tmp_path, capsys):
 def test_diverged_loss_stops_with_one_line(tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", "--quiet", *[a for a in TINY if not a.startswith("model.dropout")], f"out_dir={run}",
-            "train.steps=6", "train.eval_every=2", "train.log_every=4", "train.lr=1e30", "train.grad_clip=0",
-            "train.warmup_steps=0"]
+            "train.steps=6", "train.eval_every=2", "train.log_every=4", "train.optim.lr=1e30",
+            "train.optim.grad_clip=0", "train.optim.warmup_steps=0"]
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("seed: 0\n")
     assert main([argv[0], str(cfg_file), *argv[1:]]) == 2

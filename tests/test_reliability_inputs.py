@@ -187,11 +187,11 @@ def test_a_space_too_small_for_the_split_ends_with_one_line(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------------ run configs
 @pytest.mark.parametrize("override,needle", [
-    ("train.eps=nan", "train.eps"), ("train.eps=-1", "train.eps"),
-    ("train.fixed_point_loops=100000", "fixed_point_loops"),
+    ("train.optim.eps=nan", "train.optim.eps"), ("train.optim.eps=-1", "train.optim.eps"),
+    ("train.losses.fixed_point_loops=100000", "fixed_point_loops"),
     ("task.loop_targets=true", "no intermediate states")])
 def test_bad_training_values_are_one_line_before_any_step(cfg, tmp_path, capsys, override, needle):
-    extra = ["task.name=icl", "train.loss_loops=all"] if "loop_targets" in override else []
+    extra = ["task.name=icl", "train.losses.loops=all"] if "loop_targets" in override else []
     assert main(["train", str(cfg), f"out_dir={tmp_path / 'r'}", override, *extra, "--quiet"]) == 2
     error_line(capsys, needle)
     assert not (tmp_path / "r").exists()
@@ -266,7 +266,7 @@ def test_sweep_grids_given_twice_or_too_large_are_refused(cfg, tmp_path, capsys)
     error_line(capsys, "given twice")
     t0 = time.perf_counter()
     big = ",".join(str(i) for i in range(1, 1001))
-    assert main(["sweep", str(cfg), "--grid", f"seed={big}", f"task.seed={big}", f"train.lr={big}",
+    assert main(["sweep", str(cfg), "--grid", f"seed={big}", f"task.seed={big}", f"train.optim.lr={big}",
                  "--out", str(tmp_path / "s")]) == 2
     error_line(capsys, "1,000,000,000 runs")
     assert time.perf_counter() - t0 < 5 and not (tmp_path / "s").exists()

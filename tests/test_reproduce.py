@@ -21,7 +21,7 @@ from loopformer.model.flops import format_flops, forward_flops, layer_applicatio
 from loopformer.train.config import load_run_config
 
 TINY = ["train.steps=12", "task.n_train=256", "task.n_test=64", "train.log_every=4", "eval.max_loops=4",
-        "model.d_model=16", "train.compile=false", "log.dynamics=false"]
+        "model.d_model=16", "train.system.compile=false", "log.dynamics=false"]
 
 
 def _registry(tmp_path: Path, rule: str = "{kind: paired, a: two loops, b: one loop, margin: -1.0}") -> Path:

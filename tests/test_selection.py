@@ -1,5 +1,5 @@
-"""Keeping the best weights (`train.keep_best`): the keeper's choice by hand, the run finishing with the weights of
-the step whose validation score was best (checked against copies taken during training), exact resume, refusals."""
+"""Keeping the best weights (`train.select.keep_best`): the keeper's choice by hand, the run finishing with the weights
+of the step whose validation score was best (checked against copies taken during training), exact resume, refusals."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from loopformer.train.config import load_run_config
 from loopformer.train.selection import BestKeeper, held_score
 from loopformer.train.trainer import Trainer, train
 
-KEEP = [*TINY, "task.n_val=24", "train.keep_best=true", "train.eval_every=1", "train.steps=5", "log.dynamics=false",
-        "eval.drift=false"]
+KEEP = [*TINY, "task.n_val=24", "train.select.keep_best=true", "train.eval_every=1", "train.steps=5",
+        "log.dynamics=false", "eval.drift=false"]
 
 
 def test_the_keeper_keeps_the_first_best_score():
@@ -121,7 +121,7 @@ def test_keep_best_depth_trained_scores_the_held_loops(tmp_path):
     """Draws 2..4 loops (loops_hold=2): every validation record's score is the worst accuracy over loops 2..4, the
     kept step is the first best of them, and the final weights evaluated afresh on the validation split give the
     kept score."""
-    over = [*KEEP, "train.loops_hold=2", "train.keep_best_depth=trained", f"out_dir={tmp_path / 'r'}"]
+    over = [*KEEP, "train.loops.hold=2", "train.select.keep_best_depth=trained", f"out_dir={tmp_path / 'r'}"]
     cfg = load_run_config(None, over)
     res = train(cfg)
     val = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -136,8 +136,8 @@ def test_keep_best_depth_trained_scores_the_held_loops(tmp_path):
 
 
 @pytest.mark.parametrize("add,needle", [
-    (["train.keep_best_depth=trained"], "loop counts past r that the run draws"),
-    (["train.keep_best_depth=deep"], "keep_best_depth must be r or trained"),
+    (["train.select.keep_best_depth=trained"], "loop counts past r that the run draws"),
+    (["train.select.keep_best_depth=deep"], "keep_best_depth must be r or trained"),
 ])
 def test_keep_best_depth_refusals(tmp_path, capsys, add, needle):
     (tmp_path / "c.yaml").write_text("name: keep\n")
@@ -153,8 +153,8 @@ def test_a_fine_tuning_run_scores_its_starting_weights(tmp_path):
     src = tmp_path / "src"
     train(load_run_config(None, [*TINY, "train.steps=4", "log.dynamics=false", "eval.drift=false",
                                  f"out_dir={src}"]))
-    res = train(load_run_config(None, [*KEEP, f"train.init_from={src}", "train.lr=1e-12", "train.warmup_steps=0",
-                                       f"out_dir={tmp_path / 'ft'}"]))
+    res = train(load_run_config(None, [*KEEP, f"train.init_from={src}", "train.optim.lr=1e-12",
+                                       "train.optim.warmup_steps=0", f"out_dir={tmp_path / 'ft'}"]))
     val = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in val if r.get("split") == "val"]
     assert [r["step"] for r in val] == [0, 1, 2, 3, 4, 5] and res["keep_best"]["step"] == 0

@@ -62,7 +62,7 @@ class ReverseTask(TokenTask):
 
 TINY = ["task.name=reverse", "task.options={length: 3}", "task.n_train=200", "task.n_test=40", "model.d_model=16",
         "model.n_heads=2", "model.loops=2", "model.input_injection=true", "train.steps=12", "train.batch_size=16",
-        "train.lr=3e-3", "train.log_every=4", "eval.batch_size=64", "eval.max_loops=3", "log.tensorboard=false",
+        "train.optim.lr=3e-3", "train.log_every=4", "eval.batch_size=64", "eval.max_loops=3", "log.tensorboard=false",
         "log.progress=false"]
 
 

@@ -19,7 +19,7 @@ from loopformer.model.options import LoopOptions
 from loopformer.tasks import IGNORE
 from loopformer.train import trainer as trainer_mod
 from loopformer.train.compiling import block_compiled, eager
-from loopformer.train.config import TrainConfig, load_run_config
+from loopformer.train.config import OptimConfig, SystemConfig, load_run_config
 from loopformer.train.distributed import setup
 from loopformer.train.losses import loop_targets, read_positions, summed_loss
 from loopformer.train.optim import make_optimizer
@@ -27,15 +27,15 @@ from loopformer.train.run import read_metrics
 from loopformer.train.trainer import Trainer, compiles, step_scope, train
 
 BASE = ["task.n_train=128", "task.n_test=32", "model.d_model=16", "model.n_heads=2", "model.loops=3",
-        "model.input_injection=true", "train.steps=4", "train.batch_size=16", "train.lr=3e-3", "train.log_every=1",
-        "eval.batch_size=32", "eval.max_loops=4", "log.tensorboard=false", "log.progress=false"]
+        "model.input_injection=true", "train.steps=4", "train.batch_size=16", "train.optim.lr=3e-3",
+        "train.log_every=1", "eval.batch_size=32", "eval.max_loops=4", "log.tensorboard=false", "log.progress=false"]
 TASKS = {   # answer-only token task, per-loop targets, regression with weights
     "ed": ["task.name=edit_distance", "task.options={length: 4, alphabet_min: 2, alphabet_max: 3}",
-           "task.answer_only=true", "train.loss_loops=all"],
+           "task.answer_only=true", "train.losses.loops=all"],
     "pointer": ["task.name=pointer_chase", "task.options={symbols: 6, hops: 3}", "task.loop_targets=true",
-                "train.loss_loops=all"],
+                "train.losses.loops=all"],
     "icl": ["task.name=icl", "task.options={function_class: linear, n_dims: 3}", "task.points=5",
-            "train.loss_loops=window", "train.loss_window=2"],
+            "train.losses.loops=window", "train.losses.window=2"],
 }
 
 
@@ -183,7 +183,7 @@ def test_read_positions():
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_loss_at_read_positions_equals_the_loss_over_every_position(tmp_path, task):
-    t = _trainer(tmp_path, *TASKS[task], "train.compile=false")
+    t = _trainer(tmp_path, *TASKS[task], "train.system.compile=false")
     t.step(0)
     mb = t.last_micro
     at, R = mb.get("read_at"), t.cfg.model.loops
@@ -200,34 +200,35 @@ def test_loss_at_read_positions_equals_the_loss_over_every_position(tmp_path, ta
 
 # ------------------------------------------------------------------------------------------------ compilation
 def test_compile_setting_and_the_auto_rule(monkeypatch):
-    assert TrainConfig(steps=1, compile=True).compile == "true"               # a YAML boolean
-    assert TrainConfig(steps=1, compile="False").compile == "false"
-    with pytest.raises(ValueError, match="train.compile"):
-        TrainConfig(steps=1, compile="sometimes")
+    assert SystemConfig(compile=True).compile == "true"                       # a YAML boolean
+    assert SystemConfig(compile="False").compile == "false"
+    with pytest.raises(ValueError, match="train.system.compile"):
+        SystemConfig(compile="sometimes")
     cpu, mps = torch.device("cpu"), torch.device("mps")
 
     def cfg(*extra):
         return load_run_config(None, [*BASE, *TASKS["ed"], *extra])
 
     monkeypatch.setattr(device.shutil, "which", lambda name: "/usr/bin/" + name)
-    assert not compiles(cfg("train.compile=auto"), cpu, 999)                   # too short to repay compiling
-    assert compiles(cfg("train.compile=auto"), cpu, 1000)
-    assert not compiles(cfg("train.compile=auto"), mps, 5000)
-    assert compiles(cfg("train.compile=true"), cpu, 4) and not compiles(cfg("train.compile=false"), cpu, 5000)
+    assert not compiles(cfg("train.system.compile=auto"), cpu, 999)                   # too short to repay compiling
+    assert compiles(cfg("train.system.compile=auto"), cpu, 1000)
+    assert not compiles(cfg("train.system.compile=auto"), mps, 5000)
+    assert compiles(cfg("train.system.compile=true"), cpu, 4)
+    assert not compiles(cfg("train.system.compile=false"), cpu, 5000)
     # a loop curriculum: only the steps at the final loop count run compiled, and count
-    cur = cfg("model.loops=8", "train.loops_start=2", "train.loops_every=100", "train.loops_increment=2",
-              "train.compile_scope=step")
+    cur = cfg("model.loops=8", "train.loops.start=2", "train.loops.every=100", "train.loops.increment=2",
+              "train.system.compile_scope=step")
     assert not compiles(cur, cpu, 1299) and compiles(cur, cpu, 1300)          # 8 loops from step 300 on
     # ... unless the block is compiled (auto with a curriculum): one graph for every loop count, every step counts
-    cur_auto = cfg("model.loops=8", "train.loops_start=2", "train.loops_every=100", "train.loops_increment=2")
+    cur_auto = cfg("model.loops=8", "train.loops.start=2", "train.loops.every=100", "train.loops.increment=2")
     assert step_scope(cur_auto) == "block" and compiles(cur_auto, cpu, 1000)
     assert step_scope(cfg("model.loops=16")) == "step" and step_scope(cfg("model.loops=17")) == "block"
-    assert step_scope(cfg("model.loops=64", "train.compile_scope=step")) == "step"
-    assert step_scope(cfg("model.loops=4", "train.loops_sample=uniform", "train.loops_min=2")) == "block"
-    with pytest.raises(ValueError, match="train.compile_scope"):
-        TrainConfig(steps=1, compile_scope="layer")
+    assert step_scope(cfg("model.loops=64", "train.system.compile_scope=step")) == "step"
+    assert step_scope(cfg("model.loops=4", "train.loops.sample=uniform", "train.loops.min=2")) == "block"
+    with pytest.raises(ValueError, match="train.system.compile_scope"):
+        SystemConfig(compile_scope="layer")
     monkeypatch.setattr(device.shutil, "which", lambda name: None)        # no C++ compiler
-    assert not compiles(cfg("train.compile=auto"), cpu, 5000)
+    assert not compiles(cfg("train.system.compile=auto"), cpu, 5000)
 
 
 def _losses(run_dir):
@@ -236,11 +237,11 @@ def _losses(run_dir):
 
 @pytest.mark.skipif(not shutil.which("g++") and not shutil.which("c++"), reason="no C++ compiler for torch.compile")
 def test_compiled_step_trains_like_the_eager_step(tmp_path):
-    over = [*BASE, *TASKS["pointer"], "train.steps=4", "model.loops=3", "train.loops_start=2",
-            "train.loops_every=2", "train.loops_increment=1",                 # 2 loops (eager), then 3 (compiled)
-            "train.compile_scope=step"]
-    eager = train(load_run_config(None, [*over, "train.compile=false", f"out_dir={tmp_path / 'e'}"]))
-    comp = train(load_run_config(None, [*over, "train.compile=true", f"out_dir={tmp_path / 'c'}"]))
+    over = [*BASE, *TASKS["pointer"], "train.steps=4", "model.loops=3", "train.loops.start=2",
+            "train.loops.every=2", "train.loops.increment=1",                 # 2 loops (eager), then 3 (compiled)
+            "train.system.compile_scope=step"]
+    eager = train(load_run_config(None, [*over, "train.system.compile=false", f"out_dir={tmp_path / 'e'}"]))
+    comp = train(load_run_config(None, [*over, "train.system.compile=true", f"out_dir={tmp_path / 'c'}"]))
     assert comp["compiled"] and comp["compile_s"] > 0 and not eager["compiled"] and eager["compile_s"] == 0
     events = [(r["step"], r["event"]) for r in read_metrics(tmp_path / "c") if r["split"] == "event"]
     assert events == [(2, "compiling"), (2, "compiled")]                      # said while it compiles (sweeps' bar)
@@ -255,18 +256,18 @@ def test_compiled_step_trains_like_the_eager_step(tmp_path):
 def test_compiled_block_trains_like_the_eager_step(tmp_path):
     """Regional compilation: each layer of the block compiled once, run by every loop of every loop count (a
     curriculum from 2 to 3 loops, a TMLT); the same losses as eager to float rounding, the same checkpoint."""
-    over = [*BASE, *TASKS["pointer"], "train.steps=4", "model.loops=3", "train.loops_start=2", "model.timestep=true",
-            "train.loops_every=2", "train.loops_increment=1", "train.compile_scope=block"]
-    eager_ = train(load_run_config(None, [*over, "train.compile=false", f"out_dir={tmp_path / 'e'}"]))
-    comp = train(load_run_config(None, [*over, "train.compile=true", f"out_dir={tmp_path / 'c'}"]))
+    over = [*BASE, *TASKS["pointer"], "train.steps=4", "model.loops=3", "train.loops.start=2", "model.timestep=true",
+            "train.loops.every=2", "train.loops.increment=1", "train.system.compile_scope=block"]
+    eager_ = train(load_run_config(None, [*over, "train.system.compile=false", f"out_dir={tmp_path / 'e'}"]))
+    comp = train(load_run_config(None, [*over, "train.system.compile=true", f"out_dir={tmp_path / 'c'}"]))
     assert comp["compiled"] and comp["compile_scope"] == "block" and comp["compile_s"] > 0
     assert not eager_["compiled"] and eager_["compile_scope"] is None
     assert _losses(tmp_path / "c") == pytest.approx(_losses(tmp_path / "e"), rel=1e-4)   # every step compiled
     assert comp["test"]["accuracy"] == pytest.approx(eager_["test"]["accuracy"], abs=1 / 32 + 1e-9)
     a, b = (load_file(str(tmp_path / n / "checkpoint" / "model.safetensors")) for n in ("e", "c"))
     assert a.keys() == b.keys()                                              # the plain model's state dict
-    t = _trainer(tmp_path / "t", *TASKS["pointer"], "model.loops=3", "train.compile=true",
-                 "train.compile_scope=block")
+    t = _trainer(tmp_path / "t", *TASKS["pointer"], "model.loops=3", "train.system.compile=true",
+                 "train.system.compile_scope=block")
     assert t.regional and block_compiled(t.model)
     with eager(t.model):
         assert not block_compiled(t.model)
@@ -281,14 +282,14 @@ def test_auto_falls_back_to_eager_when_compiling_fails(tmp_path, monkeypatch, ca
     monkeypatch.setattr(trainer_mod.torch, "compile", broken)
     monkeypatch.setattr(trainer_mod, "COMPILE_MIN_STEPS", 1)
     monkeypatch.setattr(device.shutil, "which", lambda name: "/usr/bin/" + name)
-    res = train(load_run_config(None, [*BASE, *TASKS["ed"], "train.compile=auto", f"out_dir={tmp_path / 'a'}"]))
+    res = train(load_run_config(None, [*BASE, *TASKS["ed"], "train.system.compile=auto", f"out_dir={tmp_path / 'a'}"]))
     err = capsys.readouterr().err
     assert "compiling the training step failed, training eagerly (no compiler here)" in err
     assert err.count("compiling the training step failed") == 1 and not res["compiled"]
-    ref = train(load_run_config(None, [*BASE, *TASKS["ed"], "train.compile=false", f"out_dir={tmp_path / 'b'}"]))
+    ref = train(load_run_config(None, [*BASE, *TASKS["ed"], "train.system.compile=false", f"out_dir={tmp_path / 'b'}"]))
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
     with pytest.raises(RuntimeError, match="no compiler"):                     # asked for explicitly: no fallback
-        train(load_run_config(None, [*BASE, *TASKS["ed"], "train.compile=true", f"out_dir={tmp_path / 'c'}"]))
+        train(load_run_config(None, [*BASE, *TASKS["ed"], "train.system.compile=true", f"out_dir={tmp_path / 'c'}"]))
     assert json.loads((tmp_path / "b" / "results.json").read_text())["compiled"] is False and ref
 
 
@@ -297,7 +298,7 @@ def test_fused_optimizer_updates_like_the_reference_adamw():
     cfg = ModelConfig(vocab_size=7, d_model=16, n_heads=2, loops=3, max_len=6, timestep=True)
     a, b = LoopedTransformer(cfg), LoopedTransformer(cfg)
     b.load_state_dict(a.state_dict())
-    tc = TrainConfig(steps=1, lr=1e-2, weight_decay=0.1, timestep_weight_decay=0.0)
+    tc = OptimConfig(lr=1e-2, weight_decay=0.1, timestep_weight_decay=0.0)
     fast = make_optimizer(a, tc)
     assert all(g["fused"] for g in fast.param_groups) and len(fast.param_groups) == 4
     ref = torch.optim.AdamW([{k: v for k, v in g.items() if k != "fused"} for g in make_optimizer(b, tc).param_groups],

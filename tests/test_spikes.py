@@ -1,4 +1,4 @@
-"""Skipping gradient spikes (`train.skip_spikes`): the guard's running mean and decisions against a hand
+"""Skipping gradient spikes (`train.select.skip_spikes`): the guard's running mean and decisions against a hand
 computation; a skipped step leaves weights, AdamW moments and the weight average untouched; a run with skips resumes
 exactly; bad values are one line."""
 
@@ -52,7 +52,8 @@ def test_a_lasting_rise_is_absorbed_not_skipped_forever():
 
 
 def test_a_skipped_step_changes_nothing(tmp_path):
-    cfg = tiny(tmp_path, "train.steps=4", "train.skip_spikes=5", "train.spike_window=20", "train.ema_decay=0.9")
+    cfg = tiny(tmp_path, "train.steps=4", "train.select.skip_spikes=5", "train.select.spike_window=20",
+               "train.select.ema_decay=0.9")
     t = Trainer(cfg, Dist(), resume=False)
     t.open_log(False)
     t.wrap()
@@ -77,8 +78,8 @@ def test_a_skipped_step_changes_nothing(tmp_path):
 
 def test_a_run_that_skips_resumes_exactly(tmp_path, train_killed_at):
     # a factor just above 1 after a 10-step warm-up: later steps whose norm exceeds the mean are skipped
-    extra = ("train.steps=16", "train.eval_every=12", "train.skip_spikes=1.05", "train.spike_window=12",
-             "train.lr=1e-2")
+    extra = ("train.steps=16", "train.eval_every=12", "train.select.skip_spikes=1.05", "train.select.spike_window=12",
+             "train.optim.lr=1e-2")
     train(tiny(tmp_path, *extra, name="full"))
     skipped = read_results(tmp_path / "full")["skipped_steps"]
     assert 0 < skipped < 6
@@ -90,8 +91,8 @@ def test_a_run_that_skips_resumes_exactly(tmp_path, train_killed_at):
     assert read_results(tmp_path / "cut")["skipped_steps"] == skipped
 
 
-@pytest.mark.parametrize("bad", ["train.skip_spikes=1", "train.skip_spikes=-2", "train.skip_spikes=nan",
-                                 "train.spike_window=1"])
+@pytest.mark.parametrize("bad", ["train.select.skip_spikes=1", "train.select.skip_spikes=-2",
+                                 "train.select.skip_spikes=nan", "train.select.spike_window=1"])
 def test_bad_values_are_refused(tmp_path, bad):
     with pytest.raises(UserError, match="train.s"):
         tiny(tmp_path, bad)

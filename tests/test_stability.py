@@ -113,9 +113,9 @@ def test_stabilised_model_trains_and_resumes_through_the_trainer(tmp_path):
     from loopformer.train.trainer import train
     ov = ["task.name=pointer_chase", "task.options={symbols: 6, hops: 2}", "task.n_train=64", "task.n_test=16",
           "model.d_model=16", "model.n_heads=2", "model.loops=3", "model.input_injection=true",
-          "model.start_state=zeros", "model.state_noise=0.05", "train.loss=stablemax", "train.jacobian=0.1",
-          "train.steps=4",
-          "train.batch_size=8", "train.compile=false", "log.tensorboard=false", "log.progress=false",
+          "model.start_state=zeros", "model.state_noise=0.05", "train.losses.kind=stablemax",
+          "train.losses.jacobian=0.1", "train.steps=4",
+          "train.batch_size=8", "train.system.compile=false", "log.tensorboard=false", "log.progress=false",
           f"out_dir={tmp_path / 'r'}"]
     res = train(load_run_config(None, ov))
     assert 0 <= res["test"]["accuracy"] <= 1

@@ -21,8 +21,8 @@ from loopformer.train.stages import run_stages, stage_configs, train_run
 from loopformer.train.trainer import Trainer, train
 
 BASE = [*TINY, "train.steps=3", "log.dynamics=false", "eval.drift=false"]
-STAGES = ("stages=[{name: learn, set: {train.lr: 0.003}}, "
-          "{name: hold, set: {train.lr: 0.001, train.steps: 4, train.loops_hold: 2}}]")
+STAGES = ("stages=[{name: learn, set: {train.optim.lr: 0.003}}, "
+          "{name: hold, set: {train.optim.lr: 0.001, train.steps: 4, train.loops.hold: 2}}]")
 
 
 def _weights(run) -> dict[str, torch.Tensor]:
@@ -51,8 +51,9 @@ def test_stage_configs_apply_each_stage_and_chain_the_folders(tmp_path):
     first, last = stage_configs(cfg)
     root = tmp_path / "run"
     assert (first.out_dir, last.out_dir) == (str(root / "stages" / "1-learn"), str(root))
-    assert (first.train.lr, first.train.steps, first.train.loops_hold, first.train.init_from) == (0.003, 3, 0.0, "")
-    assert (last.train.lr, last.train.steps, last.train.loops_hold) == (0.001, 4, 2.0)
+    assert (first.train.optim.lr, first.train.steps, first.train.loops.hold, first.train.init_from) == \
+        (0.003, 3, 0.0, "")
+    assert (last.train.optim.lr, last.train.steps, last.train.loops.hold) == (0.001, 4, 2.0)
     assert last.train.init_from == first.out_dir and not first.stages and not last.stages
     assert (first.model, first.task) == (cfg.model, cfg.task)            # what no stage sets stays the run's
 
@@ -67,9 +68,9 @@ def test_a_staged_run_trains_each_stage_from_the_last_ones_weights(tmp_path, mon
         return orig(self, step)
 
     monkeypatch.setattr(Trainer, "step", spy)
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"stages": [{"name": "learn", "set": {"train.lr": 0.003}},
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"stages": [{"name": "learn", "set": {"train.optim.lr": 0.003}},
                                                                 {"name": "hold", "set": {"train.steps": 4,
-                                                                                         "train.loops_hold": 2}}]}))
+                                                                                         "train.loops.hold": 2}}]}))
     root = tmp_path / "run"
     assert main(["train", str(tmp_path / "c.yaml"), *BASE, f"out_dir={root}", "--quiet"]) == 0
     learn = root / "stages" / "1-learn"
@@ -109,7 +110,7 @@ def test_an_interrupted_staged_run_resumes_where_it_stopped(tmp_path):
 
 def test_sweeps_run_and_skip_staged_configs(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({"stages": [{"set": {"train.steps": 2}}, {"set": {"train.lr": 0.001}}]}))
+    cfg.write_text(yaml.safe_dump({"stages": [{"set": {"train.steps": 2}}, {"set": {"train.optim.lr": 0.001}}]}))
     out = tmp_path / "sw"
     specs = run_sweep(str(cfg), parse_grid(["seed=0,1"]), [], out, BASE, progress=False)
     assert all(json.loads((s.out_dir / "results.json").read_text())["stages"][0]["steps"] == 2 for s in specs)
@@ -135,7 +136,7 @@ def test_a_sweep_sizes_and_follows_a_staged_run_over_its_stages(tmp_path):
 
 @pytest.mark.parametrize("stages,needle", [
     ("[{set: {train.nope: 1}}, {set: {}}]", "stage 1"),
-    ("[{set: {}}, {name: b, set: {train.lr: fast}}]", "stage 2 (b)"),
+    ("[{set: {}}, {name: b, set: {train.optim.lr: fast}}]", "stage 2 (b)"),
     ("[{set: {}}, {set: {train.init_from: x}}]", "train.init_from is the previous stage"),
     ("[{set: {out_dir: x}}]", "set by the staged run itself"),
     ("[{name: a/b, set: {}}]", "stages[1].name"),

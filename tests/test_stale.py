@@ -35,12 +35,12 @@ def test_config_changes_key_by_key(tmp_path):
     assert config_changes(run, cfg) == []
     # where the run lives, threads, logging and compilation do not change what it learns
     same = load_run_config(None, [*TINY, f"out_dir={tmp_path / 'elsewhere'}", "name=other", "threads=3",
-                                  "log.progress=true", "train.log_every=7", "train.compile=false",
+                                  "log.progress=true", "train.log_every=7", "train.system.compile=false",
                                   "model.checkpoint=true", "eval.batch_size=5"])
     assert config_changes(run, same) == []
     # a changed value and a changed default are named with both values
-    other = load_run_config(None, [*TINY, f"out_dir={run}", "train.lr=1e-3", "train.loops_hold=4"])
-    assert config_changes(run, other) == [("train.loops_hold", 0.0, 4.0), ("train.lr", 3e-3, 1e-3)]
+    other = load_run_config(None, [*TINY, f"out_dir={run}", "train.optim.lr=1e-3", "train.loops.hold=4"])
+    assert config_changes(run, other) == [("train.loops.hold", 0.0, 4.0), ("train.optim.lr", 3e-3, 1e-3)]
     # a hand edit of the stored config is seen the same way
     text = (run / CONFIG_FILE).read_text()
     (run / CONFIG_FILE).write_text(text.replace("d_model: 16", "d_model: 24"))
@@ -62,8 +62,9 @@ def test_paths_compare_as_the_files_they_name(tmp_path):
 
 def test_policies(tmp_path, capsys):
     run, cfg = _run_folder(tmp_path)
-    now = load_run_config(None, [*TINY, f"out_dir={run}", "train.lr=1e-3"])
-    with pytest.raises(UserError, match=r"1 run folder\(s\) under .* \(run: train.lr 0.003 → 0.001\); --stale retrain"):
+    now = load_run_config(None, [*TINY, f"out_dir={run}", "train.optim.lr=1e-3"])
+    with pytest.raises(UserError, match=r"1 run folder\(s\) under .* \(run: train.optim.lr 0.003 → 0.001\); "
+                                        r"--stale retrain"):
         resolve_stale([(run, now)], tmp_path, "stop")
     assert (run / CONFIG_FILE).is_file()
     assert resolve_stale([(run, now)], tmp_path, "keep") == [run]
@@ -121,8 +122,8 @@ def test_a_sweep_stops_retrains_or_keeps_stale_runs(tmp_path, capsys):
     import shutil
     (specs[0].out_dir / "results.json").unlink()
     shutil.rmtree(specs[1].out_dir)
-    with pytest.raises(UserError, match=r"1 run folder\(s\) .*\(runs/loops=2: train.lr 0.003 → 0.001\)"):
-        run_sweep(str(cfg), grid, [], out, ["train.lr=1e-3"], progress=False)
+    with pytest.raises(UserError, match=r"1 run folder\(s\) .*\(runs/loops=2: train.optim.lr 0.003 → 0.001\)"):
+        run_sweep(str(cfg), grid, [], out, ["train.optim.lr=1e-3"], progress=False)
 
 
 def test_reproduce_stops_on_runs_its_claims_no_longer_ask_for(tmp_path, capsys):

@@ -314,8 +314,8 @@ def test_prefix_curriculum_trains(tmp_path):
     """A loop curriculum with prefix targets through the trainer: the first steps (2 loops) are scored on steps 1-2
     of the 3-layer circuit, not on steps 2 and 3, so their losses differ from the spread curriculum's."""
     over = [*TINY, "task.name=schedule", "task.options={layers: 3, width: 5, alphabet: 3}", "task.loop_targets=true",
-            "train.loops_start=2", "train.loops_every=3", "train.compile=false"]
-    a = train(load_run_config(None, [*over, "train.curriculum_targets=prefix", f"out_dir={tmp_path / 'a'}"]))
+            "train.loops.start=2", "train.loops.every=3", "train.system.compile=false"]
+    a = train(load_run_config(None, [*over, "train.loops.curriculum_targets=prefix", f"out_dir={tmp_path / 'a'}"]))
     b = train(load_run_config(None, [*over, f"out_dir={tmp_path / 'b'}"]))
     la = [r for r in map(json.loads, open(tmp_path / "a" / "metrics.jsonl")) if r.get("split") == "train"]
     lb = [r for r in map(json.loads, open(tmp_path / "b" / "metrics.jsonl")) if r.get("split") == "train"]
@@ -324,9 +324,9 @@ def test_prefix_curriculum_trains(tmp_path):
 
 
 TINY = ["task.n_train=256", "task.n_test=64", "model.d_model=16", "model.n_heads=2", "model.loops=3",
-        "model.input_injection=true", "train.steps=6", "train.batch_size=16", "train.lr=3e-3", "train.log_every=3",
-        "eval.batch_size=64", "eval.max_loops=4", "log.tensorboard=false", "log.progress=false",
-        "train.loss_loops=all"]
+        "model.input_injection=true", "train.steps=6", "train.batch_size=16", "train.optim.lr=3e-3",
+        "train.log_every=3", "eval.batch_size=64", "eval.max_loops=4", "log.tensorboard=false", "log.progress=false",
+        "train.losses.loops=all"]
 
 
 def test_training_with_per_loop_targets(tmp_path):
@@ -344,7 +344,7 @@ def test_training_with_per_loop_targets(tmp_path):
     (["task.name=lcs", "task.options={length: 3, alphabet_max: 3}", "task.answer_only=true",
       "task.loop_targets=true"], "no intermediate states"),
     (["task.name=schedule", "task.options={layers: 2, width: 4}", "task.loop_targets=true",
-      "train.loss_loops=last"], "train.loss_loops"),
+      "train.losses.loops=last"], "train.losses.loops"),
 ])
 def test_per_loop_targets_refused_where_they_cannot_apply(tmp_path, capsys, over, needle):
     cfg = tmp_path / "c.yaml"

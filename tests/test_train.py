@@ -16,7 +16,7 @@ from loopformer.cli import main
 from loopformer.errors import UserError
 from loopformer.model import LoopedTransformer
 from loopformer.sources import TokenData, stream_indices
-from loopformer.train.config import TrainConfig, load_run_config
+from loopformer.train.config import LoopSampling, OptimConfig, load_run_config
 from loopformer.train.losses import summed_loss
 from loopformer.train.optim import curriculum_end, loops_at, lr_at
 from loopformer.train.run import read_metrics, read_results
@@ -24,7 +24,7 @@ from loopformer.train.trainer import train
 
 TINY = ["task.name=lcs", "task.options={length: 3, alphabet_min: 2, alphabet_max: 3}", "task.n_train=96",
         "task.n_test=40", "model.d_model=16", "model.n_heads=2", "model.loops=2", "model.input_injection=true",
-        "train.batch_size=8", "train.lr=3e-3", "train.log_every=1", "eval.batch_size=64", "eval.max_loops=4",
+        "train.batch_size=8", "train.optim.lr=3e-3", "train.log_every=1", "eval.batch_size=64", "eval.max_loops=4",
         "log.tensorboard=false", "log.progress=false"]
 
 
@@ -86,13 +86,13 @@ def test_refuses_to_overwrite_a_run(tmp_path):
 @pytest.mark.parametrize("mode,window", [("last", 1), ("all", 1), ("window", 2)])
 def test_per_loop_loss_matches_manual(mode, window):
     torch.manual_seed(0)
-    cfg = load_run_config(None, [*TINY, "model.loops=3", f"train.loss_loops={mode}", f"train.loss_window={window}"])
+    cfg = load_run_config(None, [*TINY, "model.loops=3", f"train.losses.loops={mode}", f"train.losses.window={window}"])
     model = LoopedTransformer(cfg.model)
     data = TokenData(cfg.task)
     b = data.fetch(data.plan(0, 8), 0)
     from loopformer.train.losses import loss_loops
 
-    n = loss_loops(cfg.train, 3)
+    n = loss_loops(cfg.train.losses, 3)
     out = model(b["inputs"], return_all=n is not None)
     logits = out.logits if n is None else out.all_logits[-n:]
     s, count = summed_loss(logits, b["targets"])
@@ -113,39 +113,39 @@ def test_regression_loss_uses_weights():
 
 
 def test_schedules():
-    lin = TrainConfig(steps=100, lr=1.0, min_lr=0.0, schedule="linear", warmup_steps=5)
+    lin = OptimConfig(lr=1.0, min_lr=0.0, schedule="linear", warmup_steps=5)
     assert lr_at(lin, 0, 100) == pytest.approx(0.2) and lr_at(lin, 4, 100) == pytest.approx(1.0)
     assert lr_at(lin, 5, 100) == pytest.approx(1.0)
     assert lr_at(lin, 52, 100) == pytest.approx(1 - 47 / 95)
     assert lr_at(lin, 100, 100) == pytest.approx(0.0)
-    cos = TrainConfig(steps=1000, lr=2e-4, min_lr=6e-5, schedule="cosine", warmup_steps=100)
+    cos = OptimConfig(lr=2e-4, min_lr=6e-5, schedule="cosine", warmup_steps=100)
     assert lr_at(cos, 49, 1000) == pytest.approx(2e-4 * 50 / 100)
     mid = 100 + 450
     assert lr_at(cos, mid, 1000) == pytest.approx(6e-5 + (2e-4 - 6e-5) * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(cos, 1000, 1000) == pytest.approx(6e-5)
-    one = TrainConfig(steps=100, lr=1.0, schedule="onecycle", warmup_fraction=0.1)
+    one = OptimConfig(lr=1.0, schedule="onecycle", warmup_fraction=0.1)
     assert lr_at(one, 9, 100) == pytest.approx(1.0) and lr_at(one, 99, 100) < 0.01
-    const = TrainConfig(steps=10, lr=0.5, schedule="constant", warmup_steps=0)
+    const = OptimConfig(lr=0.5, schedule="constant", warmup_steps=0)
     assert {lr_at(const, s, 10) for s in range(10)} == {0.5}
 
 
 def test_loop_curriculum():
-    cfg = TrainConfig(steps=100, loops_start=2, loops_every=10, loops_increment=3)
+    cfg = LoopSampling(start=2, every=10, increment=3)
     assert [loops_at(cfg, s, 9) for s in (0, 9, 10, 25, 99)] == [2, 2, 5, 8, 9]
-    assert loops_at(TrainConfig(steps=10), 5, 7) == 7
+    assert loops_at(LoopSampling(), 5, 7) == 7
 
 
 def test_curriculum_end_is_the_first_step_at_r():
-    cfg = TrainConfig(steps=100, loops_start=2, loops_every=10, loops_increment=3)
+    cfg = LoopSampling(start=2, every=10, increment=3)
     end = curriculum_end(cfg, 9)
     assert end == 30 and loops_at(cfg, end, 9) == 9 and loops_at(cfg, end - 1, 9) < 9
     assert all(curriculum_end(cfg, r) == min(s for s in range(1000) if loops_at(cfg, s, r) == r) for r in range(1, 40))
-    assert curriculum_end(TrainConfig(steps=10), 7) is None
+    assert curriculum_end(LoopSampling(), 7) is None
 
 
 def test_loop_curriculum_in_training(tmp_path, capsys):
-    cfg = tiny(tmp_path, "train.steps=6", "model.loops=4", "train.loops_start=1", "train.loops_every=2",
-               "train.loops_increment=1")
+    cfg = tiny(tmp_path, "train.steps=6", "model.loops=4", "train.loops.start=1", "train.loops.every=2",
+               "train.loops.increment=1")
     train(cfg)
     loops = [r["loops"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
     assert loops == [1, 1, 2, 2, 3, 3]
@@ -153,7 +153,7 @@ def test_loop_curriculum_in_training(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("warning: the loop curriculum reaches model.loops = 4 at step 6, after this run's 6 steps") == 1
     assert json.loads((tmp_path / "run" / "run.json").read_text())["curriculum_reaches_loops_at"] == 6
-    train(tiny(tmp_path, "train.steps=7", "model.loops=4", "train.loops_start=1", "train.loops_every=2",
+    train(tiny(tmp_path, "train.steps=7", "model.loops=4", "train.loops.start=1", "train.loops.every=2",
                name="reached"))
     assert "warning" not in capsys.readouterr().err
 
@@ -164,7 +164,7 @@ def test_icl_curriculum_and_training(tmp_path):
         "task.curriculum={dims_start: 2, dims_end: 4, dims_inc: 1, dims_interval: 2, points_start: 3, "
         "points_end: 5, points_inc: 1, points_interval: 2}",
         "model.d_model=16", "model.n_heads=2", "model.loops=2", "train.steps=5", "train.batch_size=4",
-        "train.loss_loops=all", "log.progress=false", "log.tensorboard=false", f"out_dir={tmp_path / 'icl'}"])
+        "train.losses.loops=all", "log.progress=false", "log.tensorboard=false", f"out_dir={tmp_path / 'icl'}"])
     assert cfg.model.input_dim == 5 and cfg.model.head == "regression" and cfg.model.max_len == 10
     from loopformer.sources import make_data
 
@@ -225,7 +225,7 @@ def test_cli_config_errors(tmp_path, capsys):
     assert "steps" in _cli_error(capsys, ["train", str(cfg), "train.steps=many"])
     assert "data directory not found" in _cli_error(capsys, ["train", str(cfg), f"task.data_dir={tmp_path}/none"])
     assert "not found" in _cli_error(capsys, ["train", str(tmp_path / "missing.yaml")])
-    assert "loss_loops" in _cli_error(capsys, ["train", str(cfg), "train.loss_loops=some"])
+    assert "train.losses.loops" in _cli_error(capsys, ["train", str(cfg), "train.losses.loops=some"])
     assert "resume" in _cli_error(capsys, ["train", "--resume", str(tmp_path)])
     assert not (tmp_path / "runs").exists()
 

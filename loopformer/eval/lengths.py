@@ -10,7 +10,7 @@ at the best loop. The best loop reads the labels; a stop that does not: every ro
 1..2·T(n), whose greedy answer the model is most confident of (`confident_stop`: the largest log-probability of the
 answer, summed over the scored positions; Fan et al.'s stopping rule for looped models run past their training
 lengths, ICLR 2025); and every row read with the answer that most of its loops T(n)..2·T(n) give (`loop_vote`: a
-model trained to hold its answer past T(n), `train.loop_jitter`, reaches the answer at twice the training length a
+model trained to hold its answer past T(n), `train.loops.jitter`, reaches the answer at twice the training length a
 few loops after T(n) and then keeps it, so the answer held longest is the one to read). Rows longer than a model
 with learned positions has, or loop counts past the evaluation cap, are one-line errors.
 

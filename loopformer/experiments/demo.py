@@ -10,7 +10,7 @@ The runs' config is the YAML shipped with the package, `loopformer/configs/cpu/d
 `loopformer sweep configs/cpu/demo.yaml --grid ... --baseline ...` (`DEMO_GRID`, `DEMO_BASELINE`).
 
 The seven runs go to two worker processes with one thread each and take about seven minutes on two idle cores,
-eagerly (the config's `train.compile: false`: from an empty compiler cache, compiling costs more than it saves at
+eagerly (the config's `train.system.compile: false`: from an empty compiler cache, compiling costs more than it saves at
 this size); re-running the command completes an interrupted demo (finished runs are kept).
 """
 

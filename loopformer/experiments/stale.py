@@ -13,7 +13,7 @@ trained with now (`config_changes`); what to do with the ones that differ is the
 
 Keys that do not change what a run learns are not compared: where the run lives (`name`, `out_dir`), the device
 and thread count, the memory check, logging (`log.*`, `train.log_every`), how the step is compiled
-(`train.compile*`), activation checkpointing and the evaluation batch size. Paths that both exist compare as the
+(`train.system.compile*`), activation checkpointing and the evaluation batch size. Paths that both exist compare as the
 files they name. A run folder without `config.yaml` (e.g. results copied back from an export) cannot be compared
 and is reused as before. Shapes: none (orchestration only).
 """
@@ -34,8 +34,9 @@ from loopformer.train.run import CONFIG_FILE, RunLock, stored_config
 
 POLICIES = ("stop", "retrain", "keep")
 STALE_DIR = ".stale"                 # under a sweep's or reproduction's folder: the stale runs moved aside
-IGNORED = frozenset({"name", "out_dir", "device", "threads", "memory_check", "train.compile", "train.compile_scope",
-                     "train.compile_mode", "train.log_every", "model.checkpoint", "eval.batch_size"})
+IGNORED = frozenset({"name", "out_dir", "device", "threads", "memory_check", "train.system.compile",
+                     "train.system.compile_scope", "train.system.compile_mode", "train.log_every", "model.checkpoint",
+                     "eval.batch_size"})
 IGNORED_PREFIXES = ("log.",)
 _MISSING = object()                  # a key one of two configs lacks
 
@@ -79,7 +80,7 @@ def config_changes(run_dir: str | os.PathLike, cfg: RunConfig) -> list[tuple[str
     if not f.is_file():
         return None
     try:
-        theirs = flatten(to_dict(load_run_config(f)))
+        theirs = flatten(to_dict(load_run_config(f, stored=True)))
     except UserError as e:
         return [(CONFIG_FILE, str(e), "loads")]
     now = flatten(to_dict(cfg))

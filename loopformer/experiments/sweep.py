@@ -113,13 +113,13 @@ def _config_of(config: str | None, spec: RunSpec, overrides: list[str]) -> RunCo
 def run_size(cfg: RunConfig) -> tuple[int, float]:
     """(optimiser steps, compute in step × loop × layer units) of a run: over every stage of a staged config, each
     step counted at its mean loop count — r, or (lo + hi) / 2 where steps draw their loop count from lo..hi
-    (`train.loops_hold`, `train.loops_sample`). Loads every stage's config strictly, so a bad one fails here."""
+    (`train.loops.hold`, `train.loops.sample`). Loads every stage's config strictly, so a bad one fails here."""
     steps, cost = 0, 0.0
     for c in stage_configs(cfg) if cfg.stages else [cfg]:
         n_train = source_class(c.task).epoch_rows(c.task)
         k = steps_for(c.train.steps, c.train.epochs, n_train, c.train.batch_size)
         r = c.model.loops
-        lo, hi = c.train.budget_range(r) if c.train.samples_budgets else (r, r)
+        lo, hi = c.train.loops.budget_range(r) if c.train.loops.samples_budgets else (r, r)
         steps += k
         cost += k * (lo + hi) / 2 * c.model.n_layers
     return steps, cost

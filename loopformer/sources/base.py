@@ -57,7 +57,7 @@ class TaskConfig:
     n_train: int = 10000
     n_test: int = 1000
     n_val: int = 0                    # validation rows (token tasks, from the task's own `val` stream, disjoint from
-                                      # train and test); what train.keep_best selects by
+                                      # train and test); what train.select.keep_best selects by
     seed: int = 0                     # data seed (independent of the model seed)
     answer_only: bool = False         # causal pair tasks read by a bidirectional model: hide the answer tokens
                                       # from the input and supervise only the answer position
@@ -71,7 +71,7 @@ class TaskConfig:
                                       # position's row, column and box (model.pos_factors, from the task)
     loop_targets: bool = False        # tasks with intermediate states (word_problem, pointer_chase, schedule):
                                       # loop t of the loss is supervised with the state after step j(t) instead of
-                                      # the answer (loopformer.tasks.common.loop_steps; needs train.loss_loops all
+                                      # the answer (loopformer.tasks.common.loop_steps; needs train.losses.loops all
                                       # or window)
     length_start: int = 0             # a length curriculum (tasks whose rows record a size n): train on rows of size
                                       # <= length_start first (0: off) ...
@@ -134,8 +134,8 @@ class DataSource:
         return cfg.name
 
     def validation(self) -> DataSource:
-        """This source with its validation rows in place of its test rows (what `train.keep_best` scores)."""
-        raise UserError(f"train.keep_best selects by a validation split; the {self.cfg.name} data has none")
+        """This source with its validation rows in place of its test rows (what `train.select.keep_best` scores)."""
+        raise UserError(f"train.select.keep_best selects by a validation split; the {self.cfg.name} data has none")
 
     def at_length(self, n: int, rows: int) -> tuple[DataSource, TaskConfig]:
         """A source whose `rows` test rows all have size n (`loopformer eval --lengths`), and its task section."""

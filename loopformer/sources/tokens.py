@@ -88,12 +88,12 @@ class TokenData(DataSource):
         return cls.task_from(cfg).name
 
     def validation(self) -> TokenData:
-        """A copy of this source whose test rows are its validation rows (`task.n_val`): what `train.keep_best`
+        """A copy of this source whose test rows are its validation rows (`task.n_val`): what `train.select.keep_best`
         scores."""
         if self.val is None:
-            raise UserError("train.keep_best selects by a validation split: set task.n_val (rows of the task's own "
-                            "val stream)" + ("; a data folder holds train and test only: generate the task in memory"
-                                             if self.cfg.data_dir else ""))
+            raise UserError("train.select.keep_best selects by a validation split: set task.n_val (rows of the "
+                            "task's own val stream)" + ("; a data folder holds train and test only: generate the task "
+                                                        "in memory" if self.cfg.data_dir else ""))
         other = copy.copy(self)
         other.test = self.val
         if self.cfg.hides_answers:

@@ -53,7 +53,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_train)
     intermixed(p)
 
-    p = subparsers.add_parser("export", help="a sharded (train.parallel=fsdp) checkpoint as one weights file",
+    p = subparsers.add_parser("export", help="a sharded (train.system.parallel=fsdp) checkpoint as one weights file",
                               description="Rebuild the full weights of a sharded checkpoint (RUN's checkpoint or a "
                                           "checkpoint folder) from its sharded/ folder, in one process, as a "
                                           "checkpoint folder that load, eval and generate read.")

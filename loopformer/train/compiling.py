@@ -1,4 +1,5 @@
-"""What the training step compiles (`train.compile`, `train.compile_scope`): the whole step or the shared block.
+"""What the training step compiles (`train.system.compile`, `train.system.compile_scope`): the whole step or the
+shared block.
 
     step    the forward and the loss of a supervision step as one `torch.compile` graph (`Trainer._forward_loss`).
             The graph unrolls every loop, so its cold compilation grows with the loop count r (measured on CPUs:
@@ -31,8 +32,8 @@ _ATTRS = ("forward", "forward_at")
 
 
 def compile_scope(scope: str, loops: int, varying: bool) -> str:
-    """"step" or "block" for `train.compile_scope`=`scope` and a model of `loops` loops (`varying`: the step's loop
-    count changes during training — a loop curriculum or drawn budgets)."""
+    """"step" or "block" for `train.system.compile_scope`=`scope` and a model of `loops` loops (`varying`: the step's
+    loop count changes during training — a loop curriculum or drawn budgets)."""
     if scope != "auto":
         return scope
     return "block" if varying or loops > BLOCK_FROM_LOOPS else "step"

@@ -1,4 +1,4 @@
-"""Processes, devices and reductions for `torchrun` data parallelism (PyTorch DDP or FSDP2, `train.parallel`:
+"""Processes, devices and reductions for `torchrun` data parallelism (PyTorch DDP or FSDP2, `train.system.parallel`:
 NCCL on GPUs, gloo on CPU; the sharding itself is `loopformer.train.sharding`).
 
 A plain `python` launch is a world of one process and every helper is a no-op there. Under
@@ -26,7 +26,7 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    sharded: bool = False        # train.parallel=fsdp: the model is sharded over the processes (FSDP2)
+    sharded: bool = False        # train.system.parallel=fsdp: the model is sharded over the processes (FSDP2)
 
     @property
     def main(self) -> bool:
@@ -44,10 +44,11 @@ def launch_rank() -> int:
 
 def setup(device_choice: str = "auto", sharded: bool = False) -> Dist:
     """Join the process group when launched by torchrun (once per process); pick this process's device.
-    `sharded` (train.parallel=fsdp) needs torchrun's launch and joins its group even as a world of one."""
+    `sharded` (train.system.parallel=fsdp) needs torchrun's launch and joins its group even as a world of one."""
     if sharded and "WORLD_SIZE" not in os.environ:
-        raise UserError("train.parallel=fsdp shards the model over torchrun's processes: launch with "
-                        "torchrun --nproc_per_node=N -m loopformer.cli train ... (N >= 1), or use train.parallel=ddp")
+        raise UserError("train.system.parallel=fsdp shards the model over torchrun's processes: launch with "
+                        "torchrun --nproc_per_node=N -m loopformer.cli train ... (N >= 1), or use "
+                        "train.system.parallel=ddp")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = launch_rank()
     local = int(os.environ.get("LOCAL_RANK", "0"))

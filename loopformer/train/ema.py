@@ -40,9 +40,9 @@ class EMA:
 
 
 class ShardedEMA:
-    """The moving average of a sharded model's weights (`train.parallel=fsdp`): each process averages its own shard
-    of every parameter (`tensors`, {name: sharded tensor}), with the same arithmetic as `EMA`; checkpoints write the
-    shards with the model's (`loopformer.train.sharding`) and rank 0 the gathered average as `ema.safetensors`."""
+    """The moving average of a sharded model's weights (`train.system.parallel=fsdp`): each process averages its own
+    shard of every parameter (`tensors`, {name: sharded tensor}), with the same arithmetic as `EMA`; checkpoints write
+    the shards with the model's (`loopformer.train.sharding`) and rank 0 the gathered average as `ema.safetensors`."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
         if not 0.0 < decay < 1.0:

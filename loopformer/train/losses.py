@@ -4,15 +4,15 @@ Supervised positions (`supervised`): a class target other than IGNORE, or a regr
 position when a regression batch has no weight). The trainer's read-out looks only there (`read_positions`,
 `at_read`: the read-outs and targets as one row of n positions, `LoopOptions.read_at`).
 Per-loop loss (Sec. 5 / App. C.1.3: Sudoku and ICL put every loop's read-out in the loss, as Yang et al. 2023;
-`loss_loops`):
+`train.losses.loops`, `loss_loops`):
     last       the read-out after the last loop only
     all        the mean of the losses of the read-out after loops 1..R
-    window     the mean over the last `loss_window` loops
+    window     the mean over the last `train.losses.window` loops
 Per-loop targets (`task.loop_targets`, tasks with intermediate states): the read-out after loop t is scored against
 the state after the task's step j(t) (`loopformer.tasks.common.loop_steps`, `loop_targets`) instead of the answer,
 normalised by the answer's supervised positions like the plain per-loop loss.
 Exit gate (a model with `exit_gate`, `loopformer.model.halting.ExitGate`): `exit_loss` adds, weighted by
-`exit_loss_weight`, one of two losses (`TrainConfig.exit_loss`):
+`train.losses.exit_loss_weight`, one of two losses (`train.losses.exit_loss`):
 
     target        (halting target, as TRM's halting head)  BCE(g_t, c_t), c_t = 1 when the read-out after loop t is
                   already correct: the gate learns P(correct | h_t), so the threshold θ is a target accuracy
@@ -23,11 +23,11 @@ Exit gate (a model with `exit_gate`, `loopformer.model.halting.ExitGate`): `exit
 A bidirectional model's gate decides per row (its logit: the mean over the supervised positions), a causal model's
 per token. The gate reads the hidden states detached: its loss trains the gate only, never the trunk (with the
 exit-distribution loss the trunk still learns from the per-loop task losses that the gate weights).
-Elastic depth (`train.loops_sample`, `elastic_losses`): `consistency_loss` ties the read-out at R to a
+Elastic depth (`train.loops.sample`, `elastic_losses`): `consistency_loss` ties the read-out at R to a
 stop-gradient read-out at a larger budget, `fixed_point_loss` keeps loops past R from moving the state
 (docs/elastic-depth.md).
-Stability (`train.jacobian`, `jacobian_loss`): a penalty on the loop map's mean squared singular value at the final
-state, which keeps the map from expanding (docs/stability.md).
+Stability (`train.losses.jacobian`, `jacobian_loss`): a penalty on the loop map's mean squared singular value at the
+final state, which keeps the map from expanding (docs/stability.md).
 Shapes: R loops, B batch, T length, C classes, n read positions.
 """
 
@@ -46,7 +46,7 @@ from loopformer.model.options import LoopOptions
 from loopformer.tasks.base import IGNORE
 from loopformer.tasks.common import loop_steps
 from loopformer.train.compiling import eager
-from loopformer.train.config import TrainConfig
+from loopformer.train.config import LossConfig, TrainConfig
 
 
 # ------------------------------------------------------------------------------------------------- positions
@@ -86,13 +86,13 @@ def at_read(at: torch.Tensor | None, logits: torch.Tensor, targets: torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------------- the task loss
-def loss_loops(cfg: TrainConfig, loops: int) -> int | None:
+def loss_loops(cfg: LossConfig, loops: int) -> int | None:
     """How many trailing loops enter the loss (None: only the final read-out, no per-loop outputs needed)."""
-    if cfg.loss_loops == "last":
+    if cfg.loops == "last":
         return None
-    if cfg.loss_loops == "all":
+    if cfg.loops == "all":
         return loops
-    return min(cfg.loss_window, loops)
+    return min(cfg.window, loops)
 
 
 def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int, schedule: int | None = None,
@@ -221,7 +221,7 @@ def exit_distribution_loss(per_loop_losses: torch.Tensor, stop_logits: torch.Ten
     return _masked_mean((expected - entropy_weight * ent)[None], mask)
 
 
-def exit_loss(cfg: TrainConfig, all_logits: torch.Tensor, all_stop: torch.Tensor, targets: torch.Tensor,
+def exit_loss(cfg: LossConfig, all_logits: torch.Tensor, all_stop: torch.Tensor, targets: torch.Tensor,
               weight: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
     """The exit gate's loss (`cfg.exit_loss`), unweighted: "target" or "distribution" (module docstring).
 
@@ -231,7 +231,7 @@ def exit_loss(cfg: TrainConfig, all_logits: torch.Tensor, all_stop: torch.Tensor
     mask = mask_bt if per_token else mask_bt.any(-1)                                       # [B,T] | [B]
     if cfg.exit_loss == "target":
         if targets.dtype.is_floating_point:
-            raise UserError("train.exit_loss=target needs class targets (use distribution for regression)")
+            raise UserError("train.losses.exit_loss=target needs class targets (use distribution for regression)")
         correct = per_loop_correct(all_logits.detach(), targets, per_token)
         return halting_target_loss(stop, correct, mask)
     losses = per_loop_losses(all_logits, targets, weight, per_token)
@@ -261,17 +261,17 @@ def fixed_point_loss(h_next: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 def elastic_losses(model: torch.nn.Module, tc: TrainConfig, final: int, mb: dict[str, torch.Tensor],
                    out: LoopOutput, R: int, scale: float) -> torch.Tensor | float:
-    """The consistency and fixed-point losses of one micro-batch `mb` whose step ran R loops (`train.consistency`,
-    `train.fixed_point`; 0 when both are off): the final read-out at R against a stop-gradient read-out at budget
-    min(2R, loops_max) or loops_max (`consistency_budget`; a budget per row: each row's own), scaled like the task
-    loss (`scale`: processes / supervised positions); the state after fixed_point_loops more loops against the
-    state at R, a mean over positions. `final`: the model's loops (loops_max's default). The extra forwards run on
-    `model`, the raw model (DDP reduces their gradients with the main forward's)."""
-    total = 0.0
+    """The consistency and fixed-point losses of one micro-batch `mb` whose step ran R loops
+    (`train.losses.consistency`, `train.losses.fixed_point`; 0 when both are off): the final read-out at R against a
+    stop-gradient read-out at budget min(2R, loops.max) or loops.max (`consistency_budget`; a budget per row: each row's
+    own), scaled like the task loss (`scale`: processes / supervised positions); the state after fixed_point_loops more
+    loops against the state at R, a mean over positions. `final`: the model's loops (loops.max's default). The extra
+    forwards run on `model`, the raw model (DDP reduces their gradients with the main forward's)."""
+    total, lc = 0.0, tc.losses
     x, at, rows = mb["inputs"], mb.get("read_at"), mb.get("row_loops")
-    if tc.consistency > 0:
-        hi = tc.budget_range(final)[1] if tc.samples_budgets else 2 * R
-        double = tc.consistency_budget == "double"
+    if lc.consistency > 0:
+        hi = tc.loops.budget_range(final)[1] if tc.loops.samples_budgets else 2 * R
+        double = lc.consistency_budget == "double"
         R2 = (min(2 * R, hi) if double else hi) if rows is None else \
             int(torch.clamp(2 * rows, max=hi).max()) if double else hi
         if R2 > R or rows is not None:
@@ -281,17 +281,17 @@ def elastic_losses(model: torch.nn.Module, tc: TrainConfig, final: int, mb: dict
                 teacher = model(x, loops=R2, opts=LoopOptions(read_at=at, row_loops=t_rows)).logits
             keep = supervised(mb["targets"], mb.get("weight"))                              # [B,T]
             keep = keep.flatten().index_select(0, at) if at is not None else keep
-            total = total + tc.consistency * scale * consistency_loss(out.logits, teacher, keep)
-    if tc.fixed_point > 0:
-        nxt = model(x, loops=tc.fixed_point_loops, opts=LoopOptions(state=out.hidden, loop_offset=R, budget=R)).hidden
+            total = total + lc.consistency * scale * consistency_loss(out.logits, teacher, keep)
+    if lc.fixed_point > 0:
+        nxt = model(x, loops=lc.fixed_point_loops, opts=LoopOptions(state=out.hidden, loop_offset=R, budget=R)).hidden
         n_pos = out.hidden.shape[0] * out.hidden.shape[1] * tc.grad_accum
-        total = total + tc.fixed_point * fixed_point_loss(nxt, out.hidden) / n_pos
+        total = total + lc.fixed_point * fixed_point_loss(nxt, out.hidden) / n_pos
     return total
 
 
 # ------------------------------------------------------------------------------------------------- stability
 def jacobian_loss(model: torch.nn.Module, x: torch.Tensor, h: torch.Tensor, R: int) -> torch.Tensor:
-    """The Jacobian penalty (`train.jacobian`): the loop map's mean squared singular value at the final state.
+    """The Jacobian penalty (`train.losses.jacobian`): the loop map's mean squared singular value at the final state.
 
     With F(h) the state after one more loop from h (loop R, the read-in injected, `LoopOptions(state=h,
     loop_offset=R)`) and J = ∂F/∂h at h = sg(h_R) [B,T,D], Hutchinson's estimator with one probe ε ~ N(0, I) gives

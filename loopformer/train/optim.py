@@ -5,8 +5,8 @@ Schedules (multipliers of the peak lr, paper App. C.1.3 and C.3):
     cosine     warm-up, then lr_min + (lr - lr_min)·(1 + cos(π·p))/2, p the post-warm-up progress (nanoGPT's)
     constant   warm-up, then lr
     onecycle   warm-up, then cosine to min_lr (cosine with warm-up set by `warmup_fraction`)
-Loop curriculum (`train.loops_start`): the loop count rises by `loops_increment` every `loops_every` steps.
-Elastic depth (`train.loops_sample`): the loop count of a step (or of each row) drawn from a budget range by a
+Loop curriculum (`train.loops.start`): the loop count rises by `increment` every `every` steps.
+Elastic depth (`train.loops.sample`): the loop count of a step (or of each row) drawn from a budget range by a
 generator seeded with (seed, step) (docs/elastic-depth.md; its losses are `loopformer.train.losses`); with a loop
 curriculum, drawn once the curriculum has reached the model's loops.
 """
@@ -20,16 +20,16 @@ import torch
 
 from loopformer.errors import UserError
 from loopformer.model.layers import is_timestep_param, param_group
-from loopformer.train.config import TrainConfig
+from loopformer.train.config import LoopSampling, OptimConfig
 
 
-def warmup_steps(cfg: TrainConfig, total: int) -> int:
+def warmup_steps(cfg: OptimConfig, total: int) -> int:
     if cfg.warmup_fraction > 0:
         return max(1, int(round(cfg.warmup_fraction * total)))
     return min(cfg.warmup_steps, max(total - 1, 0))
 
 
-def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+def lr_at(cfg: OptimConfig, step: int, total: int) -> float:
     """The learning rate for optimiser step `step` (0-based) of `total`."""
     warm = warmup_steps(cfg, total)
     if warm > 0 and step < warm:
@@ -43,34 +43,34 @@ def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))   # cosine / onecycle
 
 
-def loops_at(cfg: TrainConfig, step: int, final: int) -> int:
+def loops_at(cfg: LoopSampling, step: int, final: int) -> int:
     """Training loop count at `step`: the loop curriculum, or the model's loops when it is off."""
-    if cfg.loops_start <= 0:
+    if cfg.start <= 0:
         return final
-    return min(final, cfg.loops_start + (step // cfg.loops_every) * cfg.loops_increment)
+    return min(final, cfg.start + (step // cfg.every) * cfg.increment)
 
 
-def curriculum_end(cfg: TrainConfig, final: int) -> int | None:
+def curriculum_end(cfg: LoopSampling, final: int) -> int | None:
     """The first step whose loop curriculum count (`loops_at`) is `final` (the model's loops); None without a
-    curriculum. A run of fewer steps never trains at `final` loops, nor draws past it (`loops_hold`)."""
-    if cfg.loops_start <= 0 or cfg.loops_start >= final:
-        return None if cfg.loops_start <= 0 else 0
-    return math.ceil((final - cfg.loops_start) / cfg.loops_increment) * cfg.loops_every
+    curriculum. A run of fewer steps never trains at `final` loops, nor draws past it (`hold`)."""
+    if cfg.start <= 0 or cfg.start >= final:
+        return None if cfg.start <= 0 else 0
+    return math.ceil((final - cfg.start) / cfg.increment) * cfg.every
 
 
-def sample_loops(cfg: TrainConfig, step: int, final: int, seed: int, rows: int = 1) -> np.ndarray:
-    """Loop budgets of step `step` (`train.loops_sample`): [rows] ints in loops_min..loops_max, drawn "uniform" or
+def sample_loops(cfg: LoopSampling, step: int, final: int, seed: int, rows: int = 1) -> np.ndarray:
+    """Loop budgets of step `step` (`train.loops.sample`): [rows] ints in min..max, drawn "uniform" or
     "loguniform" (⌊exp(U(log lo, log(hi + 1)))⌋: each octave equally often) by a generator seeded with
     (seed, step) — the same draw on every process and after a resume. "fixed": `loops_at` for every row. With a loop
-    curriculum as well (`loops_start`), the curriculum's count until it reaches `final`, the draws from then on
+    curriculum as well (`start`), the curriculum's count until it reaches `final`, the draws from then on
     (e.g. budgets past r once the r loops are learned, so that the answer is trained to hold past them); before step
-    `loops_sample_from`, never a draw."""
+    `sample_from`, never a draw."""
     R = loops_at(cfg, step, final)
-    if not cfg.samples_budgets or R < final or step < cfg.loops_sample_from:
+    if not cfg.samples_budgets or R < final or step < cfg.sample_from:
         return np.full(rows, R, dtype=np.int64)
     lo, hi = cfg.budget_range(final)
     rng = np.random.default_rng([seed, step, 0x100B5])
-    if cfg.loops_sample == "uniform" or cfg.loops_hold:
+    if cfg.sample == "uniform" or cfg.hold:
         return rng.integers(lo, hi + 1, size=rows)
     draw = np.floor(np.exp(rng.uniform(math.log(lo), math.log(hi + 1), size=rows))).astype(np.int64)
     return np.clip(draw, lo, hi)
@@ -86,7 +86,7 @@ def steps_for(cfg_steps: int, epochs: float, n_train: int | None, batch_size: in
 
 
 def freeze(model: torch.nn.Module, groups: list[str]) -> None:
-    """`train.freeze`: the parameters of these groups (`loopformer.model.layers.PARAM_GROUPS`) stop requiring
+    """`train.optim.freeze`: the parameters of these groups (`loopformer.model.layers.PARAM_GROUPS`) stop requiring
     gradients, so the optimiser never holds them and they keep the values they start with. A UserError when that
     leaves nothing to train."""
     if not groups:
@@ -97,10 +97,10 @@ def freeze(model: torch.nn.Module, groups: list[str]) -> None:
             p.requires_grad_(False)
     if not any(p.requires_grad for _, p in named):
         have = sorted({param_group(n) for n, _ in named})
-        raise UserError(f"train.freeze={groups} leaves no parameter to train (this model's groups: {have})")
+        raise UserError(f"train.optim.freeze={groups} leaves no parameter to train (this model's groups: {have})")
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW; matrices decay, vectors (norm gains, biases) and embeddings' positions do not (GPT-2 practice).
 
     The timestep parameters (`is_timestep_param`) form their own groups with lr × `timestep_lr_mult` (each group's

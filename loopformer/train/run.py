@@ -200,7 +200,7 @@ def resolve_resume(path: str | os.PathLike) -> Path:
 def load_for_resume(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
     """The stored config of a run folder (`stored_config`), with `overrides` applied (e.g. a longer `train.steps`)."""
     run_dir = resolve_resume(path)
-    cfg = load_run_config(stored_config(run_dir), list(overrides))
+    cfg = load_run_config(stored_config(run_dir), list(overrides), stored=True)
     cfg.out_dir = str(run_dir)
     return cfg
 
@@ -289,8 +289,8 @@ class MetricsLog:
             record = finite_or_none(record)
         else:              # a diverged loss: stop rather than log it
             raise UserError(f"training diverged: {record.get('split', 'train')} {bad} is {record[bad.split('.')[0]]} "
-                            f"at step {record.get('step')}; the last good checkpoint is kept (lower train.lr or "
-                            f"enable train.grad_clip)")
+                            f"at step {record.get('step')}; the last good checkpoint is kept (lower train.optim.lr or "
+                            f"enable train.optim.grad_clip)")
         self.fh.write(json.dumps(record, allow_nan=False) + "\n")
         self.fh.flush()
         split, step = record.get("split", "train"), record.get("step", 0)

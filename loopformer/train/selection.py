@@ -1,12 +1,12 @@
-"""Keeping the best weights a run has seen (`train.keep_best`): early stopping by a validation split.
+"""Keeping the best weights a run has seen (`train.select.keep_best`): early stopping by a validation split.
 
 Deep loops often learn a task and then lose it: a gradient spike late in training throws a solved model out of its
 basin (docs/stability.md: training accuracy 99.97 % at step 2,800, chance from step 3,050 on). With
-`train.keep_best` the run scores its weights on a validation split — rows of the task's own `val` stream
+`train.select.keep_best` the run scores its weights on a validation split — rows of the task's own `val` stream
 (`task.n_val`), disjoint from the training and test rows by the split hash — at every periodic evaluation
 (`train.eval_every`) and at the end, and keeps a copy of the best-scoring weights (the headline metric at r; ties keep
-the earlier). With `train.keep_best_depth=trained` the score is the worst of that metric over loops r..R, R the
-deepest loop count the run draws past r (`train.loops_hold`, `train.loops_sample`): the weights kept are those that
+the earlier). With `train.select.keep_best_depth=trained` the score is the worst of that metric over loops r..R, R the
+deepest loop count the run draws past r (`train.loops.hold`, `train.loops.sample`): the weights kept are those that
 hold the answer over every loop count they were trained on, not the ones right at r that drift by R (a run that
 learns the task first and the hold later would otherwise keep its weights from before the hold); equal scores —
 weights that hold equally, or not at all — are told apart by the metric at r. At the end the
@@ -30,7 +30,7 @@ BEST_WEIGHTS = "best.safetensors"
 
 
 def held_score(result: dict) -> float:
-    """The worst of a loop-wise evaluation's headline metric over loops r..R (`train.keep_best_depth=trained`):
+    """The worst of a loop-wise evaluation's headline metric over loops r..R (`train.select.keep_best_depth=trained`):
     weights score by the loop count at which they are furthest from the answer, so a model right at r that drifts
     by R scores its drift. `result`: `evaluate_all`'s, loop-wise to R = result["max_loops"]."""
     metric, r = result["metric"], result["loops"]

@@ -1,7 +1,7 @@
 """Sharded data parallelism for looped models (PyTorch FSDP2) and its distributed checkpoints (DCP).
 
-`train.parallel=fsdp` under `torchrun`: every process holds 1/N of each parameter, of its gradient and of both AdamW
-moments (`torch.distributed.fsdp.fully_shard`, one parameter group per layer of the shared block and one for the
+`train.system.parallel=fsdp` under `torchrun`: every process holds 1/N of each parameter, of its gradient and of both
+AdamW moments (`torch.distributed.fsdp.fully_shard`, one parameter group per layer of the shared block and one for the
 rest: embeddings, timestep embedder, final norm, head, exit gate). A parameter is all-gathered when its group runs
 and its gradient reduce-scattered (averaged, as DDP's all-reduce) after the backward.
 
@@ -213,7 +213,7 @@ def export_sharded(path: str | Path, out: str | Path) -> Path:
 
     ckpt = resolve_checkpoint(path)
     if not (ckpt / SHARDED).is_dir():
-        raise UserError(f"{ckpt} holds no sharded checkpoint ({SHARDED}/; written by train.parallel=fsdp)")
+        raise UserError(f"{ckpt} holds no sharded checkpoint ({SHARDED}/; written by train.system.parallel=fsdp)")
     check_checkpoint_out(out, "export", "exported_from", "choose a new folder for the exported checkpoint")
     cfg, extra = read_config(ckpt, weights=False)
     tensors = read_sharded(ckpt / SHARDED)

@@ -1,11 +1,11 @@
-"""Skipping gradient spikes (`train.skip_spikes`): an optimiser step whose gradient is far larger than usual is
+"""Skipping gradient spikes (`train.select.skip_spikes`): an optimiser step whose gradient is far larger than usual is
 dropped instead of taken.
 
 Deep loops fail in a recognisable way (docs/stability.md): a run learns, then the loop map turns expanding, the
 gradient norm jumps by three to five orders of magnitude within a few steps, and clipping keeps the step's size but
 not its direction, which is the spike's. Large language-model training meets the same spikes and skips the steps
 that carry them. Here, with g_s the gradient norm of step s before clipping (the trunk's, the quantity
-`train.grad_clip` clips) and m the running mean of log g over recent steps:
+`train.optim.grad_clip` clips) and m the running mean of log g over recent steps:
 
     skip step s   if  log g_s > m + log(factor)      (g_s more than `factor` times the running geometric mean)
     m ← β·m + (1 − β)·min(log g_s, m + log(factor)), β = 1 − 1/window   (bias-corrected, as Adam's moments)

@@ -6,7 +6,7 @@ one config with `stages:`, each stage the run's config with its `set` on top:
 
     stages:
       - {name: learn, set: {train.steps: 3000}}
-      - {name: hold, set: {train.steps: 2000, train.lr: 5.0e-4, train.loops_hold: 4}}
+      - {name: hold, set: {train.steps: 2000, train.optim.lr: 5.0e-4, train.loops.hold: 4}}
 
 Stage k < n trains in `out_dir/stages/<k>-<name>`, the last in `out_dir` itself, so `eval`, `analyze`, sweeps and
 reproduce read a staged run as any other; stage k > 1 starts from stage k − 1's weights (`train.init_from`: a fresh

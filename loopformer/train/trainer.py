@@ -89,9 +89,9 @@ from loopformer.train.spikes import SpikeGuard
 
 # ------------------------------------------------------------------------------------------------- helpers
 def precision_for(cfg: RunConfig, device: torch.device) -> str:
-    """The training precision on `device`: train.precision, with "auto" resolved (bf16 on a CUDA GPU that has it,
+    """The training precision on `device`: train.system.precision, with "auto" resolved (bf16 on a CUDA GPU that has it,
     else fp32)."""
-    prec = cfg.train.precision
+    prec = cfg.train.system.precision
     if prec == "auto":
         prec = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     return prec
@@ -104,7 +104,7 @@ def autocast_for(cfg: RunConfig, device: torch.device) -> tuple[Callable[[], Any
         return contextlib.nullcontext, False
     dtype = torch.bfloat16 if prec == "bf16" else torch.float16
     if prec == "fp16" and device.type != "cuda":
-        raise UserError("train.precision=fp16 needs a CUDA device (use bf16 or fp32)")
+        raise UserError("train.system.precision=fp16 needs a CUDA device (use bf16 or fp32)")
     return (lambda: torch.autocast(device.type, dtype=dtype)), prec == "fp16"
 
 
@@ -139,34 +139,34 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-COMPILE_MIN_STEPS = 1000   # train.compile=auto: steps at the final loop count that repay a compilation (~20-60 s)
+COMPILE_MIN_STEPS = 1000   # train.system.compile=auto: steps at the final loop count that repay a compilation (20-60 s)
 
 
 def step_scope(cfg: RunConfig) -> str:
     """What a compiled step compiles ("step" or "block", `loopformer.train.compiling.compile_scope`)."""
-    tc, R = cfg.train, cfg.model.loops
-    curriculum = 0 < tc.loops_start < R
-    varying = tc.samples_budgets or curriculum or cfg.model.loop_rule != "fixed"
-    return compile_scope(tc.compile_scope, R, varying=varying)
+    lp, R = cfg.train.loops, cfg.model.loops
+    curriculum = 0 < lp.start < R
+    varying = lp.samples_budgets or curriculum or cfg.model.loop_rule != "fixed"
+    return compile_scope(cfg.train.system.compile_scope, R, varying=varying)
 
 
 def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
-    """Whether the training step runs compiled (`train.compile`): "true" / "false" as said; "auto" when at least
+    """Whether the training step runs compiled (`train.system.compile`): "true" / "false" as said; "auto" when at least
     COMPILE_MIN_STEPS steps run compiled — every step when the block is compiled (`step_scope`), else the steps at
     the final loop count (after any loop curriculum; none with drawn budgets) — on a CUDA device with Triton or on a
     CPU with a C++ compiler (what torch.compile's code generation needs)."""
     if cfg.model.solver != "unroll":         # the fixed-point mode stops on data and solves inside its backward
         return False
-    mode = cfg.train.compile
+    mode = cfg.train.system.compile
     if mode != "auto":
         return mode == "true"
-    tc, R = cfg.train, cfg.model.loops
+    lp, R = cfg.train.loops, cfg.model.loops
     if step_scope(cfg) == "block":           # one graph for every loop count
         return total >= COMPILE_MIN_STEPS and can_compile(device)
-    if tc.samples_budgets or cfg.model.loop_rule != "fixed":   # loop counts drawn or per size: few steps at any one
+    if lp.samples_budgets or cfg.model.loop_rule != "fixed":   # loop counts drawn or per size: few steps at any one
         return False
     # the first step of the loop curriculum (`loops_at`) at R loops: after ceil((R − start) / increment) rises
-    first = 0 if tc.loops_start <= 0 else -(-max(0, R - tc.loops_start) // tc.loops_increment) * tc.loops_every
+    first = 0 if lp.start <= 0 else -(-max(0, R - lp.start) // lp.increment) * lp.every
     return total - first >= COMPILE_MIN_STEPS and can_compile(device)
 
 
@@ -224,7 +224,7 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None
     """
     if cfg.stages:                               # refused before the run folder or a process group is touched
         raise UserError("a staged config (stages:) runs each stage in turn: loopformer.train.stages.train_run")
-    d = setup(cfg.device, sharded=cfg.train.parallel == "fsdp")
+    d = setup(cfg.device, sharded=cfg.train.system.parallel == "fsdp")
     lock = run.RunLock(cfg.out_dir) if d.main else None
     t: Trainer | None = None
     try:
@@ -253,7 +253,7 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None
             if on_step is not None:
                 on_step(done)
         t.bar.close()
-        t.select(t.total)                        # train.keep_best: finish with the best weights seen
+        t.select(t.total)                        # train.select.keep_best: finish with the best weights seen
         final = t.evaluate(t.total, final=True)
         t.checkpoint(t.total)
         return t.finish(final)
@@ -292,8 +292,8 @@ class Trainer:
         if cfg.eval.votes:
             self.data.check_votes()
         self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
-        self.val_data = self.data.validation() if tc.keep_best else None   # what train.keep_best selects by
-        self.keeper = BestKeeper(self.data.higher_is_better) if tc.keep_best else None
+        self.val_data = self.data.validation() if tc.select.keep_best else None   # what keep_best selects by
+        self.keeper = BestKeeper(self.data.higher_is_better) if tc.select.keep_best else None
         self.last_test: dict | None = None       # keep_best: the last step's test metrics, when other weights win
         self.rule = LoopRule.parse(cfg.model.loop_rule)     # loops from each row's size (length generalisation)
         check_covers(self.rule, cfg.model.loops, self.data.largest_size())
@@ -303,33 +303,35 @@ class Trainer:
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
             half = self.autocast is not contextlib.nullcontext
-            hi = max(cfg.model.loops, tc.budget_range(cfg.model.loops)[1] if tc.samples_budgets else 0) \
-                + tc.loop_jitter
+            hi = max(cfg.model.loops, tc.loops.budget_range(cfg.model.loops)[1] if tc.loops.samples_budgets else 0) \
+                + tc.loops.jitter
             check_fits(estimate(cfg.model.replace(loops=hi), batch=self.B // (d.world * tc.grad_accum), training=True,
-                                read_outs=loss_loops(tc, hi) or 1, ema=tc.ema_decay > 0,
+                                read_outs=loss_loops(tc.losses, hi) or 1, ema=tc.select.ema_decay > 0,
                                 act_bytes=2 if half else 4), d.device,
                        "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
                                         "or set model.checkpoint=true")
         self.model = LoopedTransformer(cfg.model).to(d.device)
         if self.init_from is not None:          # fine-tuning: these weights, a fresh optimiser and schedule
             load_weights(self.model, self.init_from, d.device, start_past=True)
-        freeze(self.model, tc.freeze)            # train.freeze: these groups keep the values they start with
+        freeze(self.model, tc.optim.freeze)      # train.optim.freeze: these groups keep the values they start with
         if d.sharded:                            # before the optimiser: sharding replaces the parameters
             shard_model(self.model, d.device, precision_for(cfg, d.device))
-        self.optimizer = make_optimizer(self.model, tc)
+        self.optimizer = make_optimizer(self.model, tc.optim)
         named = list(self.model.named_parameters())
         self.gate_params = [p for n, p in named if n.startswith("exit_gate.")]
         self.trunk_params = [p for n, p in named if not n.startswith("exit_gate.")]
         self.ema: EMA | ShardedEMA | None = None
-        if tc.ema_decay > 0:
-            self.ema = ShardedEMA(self.model, tc.ema_decay) if d.sharded else EMA(self.model, tc.ema_decay)
+        if tc.select.ema_decay > 0:
+            decay = tc.select.ema_decay
+            self.ema = ShardedEMA(self.model, decay) if d.sharded else EMA(self.model, decay)
         # a sharded model's full weights (and average) on rank 0, for evaluation, dynamics and checkpoints
         self.replica: LoopedTransformer | None = None
         self.ema_replica: LoopedTransformer | None = None
         self.replica_step = -1                   # the step whose weights the replicas hold
         self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
-        self.trains_gate = cfg.model.exit_gate and tc.exit_loss_weight > 0   # the exit loss enters the step
-        self.spikes = SpikeGuard(tc.skip_spikes, tc.spike_window) if tc.skip_spikes > 0 else None
+        self.trains_gate = cfg.model.exit_gate and tc.losses.exit_loss_weight > 0   # the exit loss enters the step
+        sel = tc.select
+        self.spikes = SpikeGuard(sel.skip_spikes, sel.spike_window) if sel.skip_spikes > 0 else None
         self.start, self.state, self.finished = 0, None, False   # the first step, the checkpoint's training state
         # the module the steps run (`wrap`: inside DDP, the step compiled)
         self.net: torch.nn.Module = self.model
@@ -367,9 +369,10 @@ class Trainer:
         if state is None:
             raise UserError(f"cannot resume: {self.ckpt_dir} holds no training state")
         layout = "fsdp" if state.get("sharded") else "ddp"
-        if layout != self.cfg.train.parallel:
-            raise UserError(f"cannot resume from {self.ckpt_dir}: it was written with train.parallel={layout}, this "
-                            f"run has train.parallel={self.cfg.train.parallel} (resume with {layout})")
+        if layout != self.cfg.train.system.parallel:
+            raise UserError(f"cannot resume from {self.ckpt_dir}: it was written with train.system.parallel={layout}, "
+                            f"this run has train.system.parallel={self.cfg.train.system.parallel} (resume with "
+                            f"{layout})")
         if self.d.sharded:
             load_sharded(self.ckpt_dir / SHARDED, self.model, self.optimizer,
                          None if self.ema is None else self.ema.tensors)
@@ -409,10 +412,10 @@ class Trainer:
         self.compiled, self.regional = None, False
         if compiles(self.cfg, self.d.device, self.total):
             if step_scope(self.cfg) == "block":  # regional: each layer of the shared block (`train/compiling.py`)
-                compile_block(self.model, self.cfg.train.compile_mode)
+                compile_block(self.model, self.cfg.train.system.compile_mode)
                 self.regional = True
             else:
-                self.compiled = torch.compile(self._forward_loss, mode=self.cfg.train.compile_mode)
+                self.compiled = torch.compile(self._forward_loss, mode=self.cfg.train.system.compile_mode)
         if (self.compiled is not None or self.regional) and self.cfg.threads:
             import torch._inductor.config as inductor  # heavy: only when compiling
             inductor.compile_threads = self.cfg.threads  # the compiler's worker pool keeps to the thread budget
@@ -423,7 +426,7 @@ class Trainer:
                      read_loops: int | None, n_read: int | None, row_loops: torch.Tensor | None = None,
                      read_only: bool = False) -> tuple[torch.Tensor, LoopOutput]:
         """`_forward_loss`, compiled at the model's final loop count when `compiles` says so (a loop curriculum's
-        shorter steps stay eager: each loop count would be a graph of its own). With train.compile=auto a
+        shorter steps stay eager: each loop count would be a graph of its own). With train.system.compile=auto a
         compilation that fails falls back to eager with one warning."""
         args = (x, state, offset, at, targets, weight, R, return_all, read_loops, n_read, row_loops, read_only)
         if self.regional:                        # the block's layers compiled: every loop count runs them
@@ -440,7 +443,7 @@ class Trainer:
             out = fn(*args)
         except Exception as exc:                 # noqa: BLE001 - any compiler failure: auto falls back
             self._compiling("compile failed")
-            if self.cfg.train.compile != "auto":
+            if self.cfg.train.system.compile != "auto":
                 raise
             print(f"loopformer: compiling the training step failed, training eagerly ({configio.one_line(exc)})",
                   file=sys.stderr)
@@ -477,14 +480,14 @@ class Trainer:
         logits = out.logits if n_read is None else out.all_logits[-n_read:]
         if out.all_logits is not None:   # a copy, not a view of all_logits: compiled graphs whose outputs alias
             out.logits = out.logits.clone()   # each other fail when replayed from torch's compilation cache
-        return loss_sum(*at_read(at, logits, targets, weight), kind=self.cfg.train.loss), out
+        return loss_sum(*at_read(at, logits, targets, weight), kind=self.cfg.train.losses.kind), out
 
     def open_log(self, progress: bool | None) -> None:
         """Write config.yaml and run.json, open the metrics log, start the bar and the log window (restored from
         the checkpoint when resuming)."""
         cfg, d, state = self.cfg, self.d, self.state
         if d.main:
-            reach = curriculum_end(cfg.train, cfg.model.loops)   # the first step at model.loops (a curriculum)
+            reach = curriculum_end(cfg.train.loops, cfg.model.loops)   # the first step at model.loops (a curriculum)
             info = {"name": cfg.name, "config": to_dict(cfg), "seed": cfg.seed, "git": run.git_commit(),
                     "versions": run.package_versions(), "command": sys.argv, "world_size": d.world,
                     "device": str(d.device), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -495,8 +498,8 @@ class Trainer:
             if reach is not None and reach >= self.total and not self.resume:
                 print(f"loopformer: warning: the loop curriculum reaches model.loops = {cfg.model.loops} at step "
                       f"{reach:,}, after this run's {self.total:,} steps: it never trains {cfg.model.loops} loops"
-                      f"{' nor draws past them' if cfg.train.samples_budgets else ''} (raise train.steps or lower "
-                      f"train.loops_every)", file=sys.stderr)
+                      f"{' nor draws past them' if cfg.train.loops.samples_budgets else ''} (raise train.steps or "
+                      f"lower train.loops.every)", file=sys.stderr)
         self.log = MetricsLog(self.run_dir, cfg, self.start if self.resume else None, d.main, final_step=self.total)
         show = d.main and (cfg.log.progress if progress is None else progress)
         self.bar = tqdm(total=self.total, initial=self.start, desc=cfg.name, disable=not show, dynamic_ncols=True)
@@ -519,7 +522,7 @@ class Trainer:
         micro-batches), then clip and update; the loss and accuracy sums go into the log window."""
         t_step = time.perf_counter()
         self.step_now = step
-        self.lr = lr = lr_at(self.cfg.train, step, self.total)
+        self.lr = lr = lr_at(self.cfg.train.optim, step, self.total)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
         micro, counts = self._micro_batches(step)
@@ -536,8 +539,8 @@ class Trainer:
         and the positions the read-out looks at, `read_at`) and their supervised positions, counted on the host;
         sets the step's loop count `self.loops`."""
         cfg, d, tc, data = self.cfg, self.d, self.cfg.train, self.data
-        per_row = tc.samples_budgets and tc.loops_sample_per == "row"
-        budgets = sample_loops(tc, step, cfg.model.loops, cfg.seed, self.B if per_row else 1)   # [B] | [1]
+        per_row = tc.loops.samples_budgets and tc.loops.sample_per == "row"
+        budgets = sample_loops(tc.loops, step, cfg.model.loops, cfg.seed, self.B if per_row else 1)   # [B] | [1]
         self.loops = int(budgets.max())                         # the step's loop count (per row: the largest)
         keys = data.plan(step, self.B)                           # [B] global batch
         mine = np.array_split(keys, d.world)[d.rank]
@@ -547,7 +550,7 @@ class Trainer:
             for m, b in zip(fetched, np.array_split(mine_b, tc.grad_accum)):
                 m["row_loops"] = torch.from_numpy(b)
         if not self.rule.fixed:                                  # T(n) per row (+ jitter), from the rows' sizes
-            extra = np.array_split(jitter(cfg.seed, step, self.B, tc.loop_jitter), d.world)[d.rank]   # [B] -> mine
+            extra = np.array_split(jitter(cfg.seed, step, self.B, tc.loops.jitter), d.world)[d.rank]   # [B] -> mine
             for m, j in zip(fetched, np.array_split(extra, tc.grad_accum)):
                 m["row_loops"] = torch.from_numpy(self.rule.loops(m["size"].numpy(), cfg.model.loops) + j)
             self.loops = max(int(m["row_loops"].max()) for m in fetched)
@@ -566,16 +569,17 @@ class Trainer:
         DDP synchronises the gradients on the `last` micro-batch's last step. Sums go into the log window."""
         cfg, d, tc = self.cfg, self.d, self.cfg.train
         N, R = cfg.model.supervision_steps, self.loops          # deep supervision: N steps, each with its loss
-        n_read = loss_loops(tc, R)                               # read-outs in the loss (None: the last one)
+        n_read = loss_loops(tc.losses, R)                               # read-outs in the loss (None: the last one)
         k = 1 if n_read is None else n_read
         per_loop_gate = self.trains_gate and N == 1              # the exit gate reads every loop (else every step)
         return_all, read_loops = n_read is not None or per_loop_gate, None if per_loop_gate else n_read
         # nothing but the loss reads the final state: no later supervision step, gate, fixed-point or Jacobian loss
-        read_only = N == 1 and not self.trains_gate and tc.fixed_point == 0 and tc.jacobian == 0
+        read_only = N == 1 and not self.trains_gate and tc.losses.fixed_point == 0 and tc.losses.jacobian == 0
         at = mb.get("read_at")                                   # [n] | None: every position
         targets = mb["targets"] if "step_targets" not in mb else \
             loop_targets(mb["step_targets"], R, n_read,                          # [n_read,B,T] per-loop targets
-                         cfg.model.loops if tc.curriculum_targets == "prefix" else None, per_row=not self.rule.fixed)
+                         cfg.model.loops if tc.loops.curriculum_targets == "prefix" else None,
+                         per_row=not self.rule.fixed)
         rows = mb.get("row_loops")                                              # [b] | None
         R_mb = R if rows is None else int(rows.max())
 
@@ -587,12 +591,12 @@ class Trainer:
                                                return_all, read_loops, n_read, rows, read_only)
                     loss = s * (d.world / (global_count * k * N)) + elastic_losses(
                         self.model, tc, cfg.model.loops, mb, out, R_mb, d.world / global_count)
-                    if tc.jacobian > 0:                  # the loop map kept contracting (a mean over micro-batches)
-                        loss = loss + tc.jacobian * jacobian_loss(self.model, mb["inputs"], out.hidden, R_mb) \
+                    if tc.losses.jacobian > 0:           # the loop map kept contracting (a mean over micro-batches)
+                        loss = loss + tc.losses.jacobian * jacobian_loss(self.model, mb["inputs"], out.hidden, R_mb) \
                             / (tc.grad_accum * N)
                 if self.trains_gate:   # a mean over this micro-batch: DDP averages it over processes
                     loss = loss + self._gate_loss(mb, out, per_loop_gate, n_micro)
-                if loss.requires_grad:           # train.freeze: a loss that reads no trained parameter has none
+                if loss.requires_grad:           # train.optim.freeze: a loss that reads no trained parameter has none
                     (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             with torch.no_grad():
                 self.acc_loss += s.detach().to(self.acc_dtype) / (k * N)
@@ -610,11 +614,11 @@ class Trainer:
     def _gate_loss(self, mb: dict[str, torch.Tensor], out: LoopOutput, per_loop: bool, n_micro: int) -> torch.Tensor:
         """The exit gate's weighted loss on one supervision step's output: after every loop (`per_loop`) or after
         the step. The gate reads, never steers: the hidden states are detached."""
-        tc, N = self.cfg.train, self.cfg.model.supervision_steps
+        lc, N = self.cfg.train.losses, self.cfg.model.supervision_steps
         gate = unwrap(self.model).exit_gate
         stops_, reads = ((gate(out.all_hidden.detach()), out.all_logits) if per_loop            # [R,B,T(,C)]
                          else (gate(out.hidden.detach())[None], out.logits[None]))             # the step's [1,...]
-        return tc.exit_loss_weight / (n_micro * N) * exit_loss(tc, reads, stops_, mb["targets"], mb.get("weight"),
+        return lc.exit_loss_weight / (n_micro * N) * exit_loss(lc, reads, stops_, mb["targets"], mb.get("weight"),
                                                                self.cfg.model.causal)
 
     def _update(self, step: int) -> None:
@@ -623,15 +627,15 @@ class Trainer:
         d, tc = self.d, self.cfg.train
         if d.sharded:                            # the step's gradients are reduced: free the gathered weights
             reshard(self.model)
-        if tc.freeze and all(p.grad is None for g in self.optimizer.param_groups for p in g["params"]):
-            self.gnorm = None                    # train.freeze: a step whose loss read no trained parameter (e.g.
+        if tc.optim.freeze and all(p.grad is None for g in self.optimizer.param_groups for p in g["params"]):
+            self.gnorm = None                    # train.optim.freeze: a step whose loss read no trained parameter (e.g.
             return                               # R = r with only the loops past r trained) changes nothing
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if (d.main or d.sharded) and self.dyn_every and (step + 1) % self.dyn_every == 0:
             self.dyn_grads = grad_norms(self.model,                # before clipping (sharded: summed over ranks)
                                         reduce=(lambda v: all_sum(d, v)) if d.sharded else None)
-        self.gnorm = (torch.nn.utils.clip_grad_norm_(self.trunk_params, tc.grad_clip) if tc.grad_clip > 0
+        self.gnorm = (torch.nn.utils.clip_grad_norm_(self.trunk_params, tc.optim.grad_clip) if tc.optim.grad_clip > 0
                       else None)
         if self.spikes is not None:              # a gradient spike: the step is dropped (`train/spikes.py`)
             norm = self.gnorm if self.gnorm is not None else \
@@ -641,8 +645,8 @@ class Trainer:
                     self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
                 return
-        if tc.grad_clip > 0 and self.gate_params:   # the exit gate's own norm: its loss never rescales the trunk's
-            torch.nn.utils.clip_grad_norm_(self.gate_params, tc.grad_clip)
+        if tc.optim.grad_clip > 0 and self.gate_params:   # the exit gate's own norm: its loss never rescales the trunk
+            torch.nn.utils.clip_grad_norm_(self.gate_params, tc.optim.grad_clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -669,7 +673,7 @@ class Trainer:
             rec["skipped_steps"] = self.spikes.skipped         # the run's total so far
         if not math.isfinite(rec["loss"]):
             raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
-                            f"checkpoint is kept (lower train.lr or enable train.grad_clip)")
+                            f"checkpoint is kept (lower train.optim.lr or enable train.optim.grad_clip)")
         self.log.write(rec)
         post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
         if "accuracy" in rec:
@@ -696,7 +700,7 @@ class Trainer:
             bad = "the training loss"
         if bad is not None:
             raise UserError(f"training diverged: {bad} is not finite at step {step}; the last good checkpoint is "
-                            f"kept (lower train.lr or enable train.grad_clip)")
+                            f"kept (lower train.optim.lr or enable train.optim.grad_clip)")
 
     def evaluate(self, step: int, final: bool) -> dict | None:
         """Test metrics (rank 0; on the final evaluation also loop by loop, and the halting rules, sweep and loop
@@ -719,13 +723,13 @@ class Trainer:
         return broadcast_object(self.d, res)
 
     def score_validation(self, model: torch.nn.Module, step: int) -> None:
-        """train.keep_best (rank 0): `model`'s headline metric at r on the validation split — with
-        `train.keep_best_depth=trained` the worst of it over loops r..R, the deepest loop count training draws
+        """train.select.keep_best (rank 0): `model`'s headline metric at r on the validation split — with
+        `train.select.keep_best_depth=trained` the worst of it over loops r..R, the deepest loop count training draws
         (`held_score`) — logged as a "val" record; its weights kept when it is the best so far
         (`loopformer.train.selection`)."""
         tc, metric = self.cfg.train, self.data.metric
-        deep = tc.keep_best_depth == "trained"
-        ecfg = replace(self.cfg.eval, loopwise=True, max_loops=tc.budget_range(self.cfg.model.loops)[1]) \
+        deep = tc.select.keep_best_depth == "trained"
+        ecfg = replace(self.cfg.eval, loopwise=True, max_loops=tc.loops.budget_range(self.cfg.model.loops)[1]) \
             if deep else self.cfg.eval
         res = evaluate_all(model, self.val_data, ecfg, loopwise=deep, extras=False, device=self.d.device,
                            autocast=self.autocast)
@@ -736,8 +740,8 @@ class Trainer:
                         **({"held": score, "held_to": res["max_loops"]} if deep else {}), "kept": kept})
 
     def score_start(self) -> None:
-        """train.keep_best with train.init_from (rank 0): the starting weights are scored as step 0, so a fine-tuning
-        run that never does better on the validation split finishes with the weights it started from."""
+        """train.select.keep_best with train.init_from (rank 0): the starting weights are scored as step 0, so a
+        fine-tuning run that never does better on the validation split finishes with the weights it started from."""
         if self.keeper is None or not self.cfg.train.init_from or not self.d.main:
             return
         model = unwrap(self.model)
@@ -745,7 +749,7 @@ class Trainer:
             self.score_validation(model, 0)
 
     def select(self, step: int) -> None:
-        """train.keep_best at the end (rank 0): score the last weights too, and when earlier ones scored better,
+        """train.select.keep_best at the end (rank 0): score the last weights too, and when earlier ones scored better,
         note the last weights' test metrics and load the kept weights for the final evaluation and checkpoint."""
         if self.keeper is None or not self.d.main:
             return
@@ -834,12 +838,12 @@ class Trainer:
                 **({"lengths": final["lengths"]} if "lengths" in final else {}),
                 **({"keep_best": {"step": self.keeper.step, "val": self.keeper.score, "metric": self.data.metric,
                                   "last_test": self.last_test}} if self.keeper is not None else {}),
-                **({"loop_rule": cfg.model.loop_rule, "loop_jitter": tc.loop_jitter}
+                **({"loop_rule": cfg.model.loop_rule, "loop_jitter": tc.loops.jitter}
                    if cfg.model.loop_rule != "fixed" else {}),
                 **({"skipped_steps": self.spikes.skipped} if self.spikes is not None else {}),
-                **({"loops_sample": {"kind": "hold" if tc.loops_hold else tc.loops_sample, "per": tc.loops_sample_per,
-                                     "range": list(tc.budget_range(cfg.model.loops))}}
-                   if tc.samples_budgets else {}),
+                **({"loops_sample": {"kind": "hold" if tc.loops.hold else tc.loops.sample, "per": tc.loops.sample_per,
+                                     "range": list(tc.loops.budget_range(cfg.model.loops))}}
+                   if tc.loops.samples_budgets else {}),
                 **({"references": refs} if (refs := self.data.references()) else {}),
             })
         self.log.close()
