@@ -196,3 +196,18 @@ def test_state_norm_against_hand_computation_and_bounds_the_state():
                                rtol=1e-4)                           # every loop's state has RMS = the gain's
     with pytest.raises(ValueError, match="state_norm.gain must lie"):
         _cfg(extensions={"state_norm": {"gain": 0}})
+
+
+def test_run_configs_of_the_earlier_release_migrate_their_model_fields(tmp_path):
+    from loopformer.train.config import load_run_config
+    base = ["task.name=pointer_chase", "task.options={symbols: 6, hops: 2}", "model.d_model=16", "model.n_heads=2",
+            "model.input_injection=true", "train.steps=2"]
+    cfg = load_run_config(None, [*base, "model.sandwich_norm=true", "model.start_state=noise",
+                                 "model.start_noise=0.3", "model.forget_gate=false"])
+    assert cfg.model.extensions == {"sandwich_norm": {}, "noise_start": {"sigma": 0.3}}
+    old = tmp_path / "old.yaml"                                     # a YAML (or a run's stored config) of before
+    old.write_text("model:\n  loop_scale: none\n  layerscale_init: 0.1\n  grad_window: null\n  sandwich_norm: true\n")
+    assert load_run_config(old, base).model.extensions == {"sandwich_norm": {}}
+    for bad in ("model.forget_gate=true", "model.grad_window=2", "model.loop_scale=rsqrt"):
+        with pytest.raises(UserError, match=f"{bad.split('=')[0]} has left loopformer"):
+            load_run_config(None, [*base, bad])

@@ -81,12 +81,12 @@ class ModelConfig:
     timestep_past: str = "continue"   # the loop index past the trained loops (t >= loops): "continue" the sinusoid
                                       # PE(t) | "clamp" to the last trained t = loops - 1 (a learned table always
                                       # clamps) | "hold": every loop past r reads one index of its own, t = loops
-                                      # (the hold index: trained by loop counts drawn past r, `train.loops_hold`;
+                                      # (the hold index: trained by loop counts drawn past r, `train.loops.hold`;
                                       # sinusoid only). Changes no weights: choose it at load / evaluation time |
                                       # "own": every loop past r reads a modulation of its own, a parameter
                                       # (`Layer.past_modulation` [4,D] per layer; with input injection also the
                                       # injection's scale β [D], h + β ⊙ e) that nothing before r reads — trained
-                                      # alone (`train.freeze`), loops 1..r stay exactly as they were. Started from
+                                      # alone (`train.optim.freeze`), loops 1..r stay exactly as they were. Started from
                                       # weights without them (train.init_from): the hold index's modulation (t = r)
                                       # and β = 1. Weights of their own: set it before training
     input_injection: bool = False     # add the read-in embedding before every loop after the first

@@ -1,7 +1,7 @@
 """Checkpoint folders.
 
     DIR/model.safetensors   weights of the raw module (never a compiled or DDP wrapper)
-    DIR/ema.safetensors     optional: the exponential moving average of those weights (`train.ema_decay`), in the
+    DIR/ema.safetensors     optional: the exponential moving average of those weights (`train.select.ema_decay`), in the
                             same layout (`load(DIR, ema=True)` loads it as the model)
     DIR/config.json         the ModelConfig fields at top level (what `PyTorchModelHubMixin` expects, so
                             `LoopedTransformer.from_pretrained(DIR)` and `push_to_hub` work), plus "run" (the
@@ -272,7 +272,7 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike, device: str | 
     starts as the hold index's (`LoopedTransformer.start_past_modulation`)."""
     f = Path(path) / (EMA_WEIGHTS if ema else WEIGHTS)
     if ema and not f.is_file():
-        raise UserError(f"{path} holds no averaged weights ({EMA_WEIGHTS}; train with train.ema_decay > 0)")
+        raise UserError(f"{path} holds no averaged weights ({EMA_WEIGHTS}; train with train.select.ema_decay > 0)")
     if not safetensors_complete(f):
         raise UserError(f"{f} is truncated or corrupt")
     try:

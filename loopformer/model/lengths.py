@@ -12,10 +12,10 @@ always at least one loop. n is the task's size of the row (`size` of the variabl
 problem: bits, symbols or group elements; `loopformer.tasks.algorithmic`); a row runs its own T(n) loops and keeps
 its state after them (`LoopOptions.row_loops`), so a batch of mixed sizes runs its largest T(n) once.
 
-In training, `train.loop_jitter` J > 0 adds U{0..J} loops to every row (drawn from the run's seed, the step and
+In training, `train.loops.jitter` J > 0 adds U{0..J} loops to every row (drawn from the run's seed, the step and
 the row): the answer must then hold for a few loops past T(n) — random loop counts tied to the rule (Kuo et al.
 2606.29983 find loop counts tied to the length alone a shortcut that makes generalisation swing across seeds).
-Random loop counts not tied to the size are `train.loops_sample` (elastic depth). A model's r (`model.loops`) must
+Random loop counts not tied to the size are `train.loops.sample` (elastic depth). A model's r (`model.loops`) must
 cover T at the largest training size: it is the depth its metric at r, its loop-wise curve and its timestep
 encoding count in.
 """
@@ -98,7 +98,7 @@ def check(cfg) -> None:
 
 
 def jitter(seed: int, step: int, rows: int, most: int) -> np.ndarray:
-    """Training's extra loops of a step's `rows` rows (`train.loop_jitter` = most): U{0..most} each, a pure function
+    """Training's extra loops of a step's `rows` rows (`train.loops.jitter` = most): U{0..most} each, a pure function
     of (seed, step), so resuming stays exact and every process draws the same (zeros when most = 0)."""
     if most <= 0:
         return np.zeros(rows, dtype=np.int64)

@@ -17,7 +17,7 @@ it runs the plain forward, or the trainer's step (`run_step`: its compiled forwa
 Halting across steps (TRM's halting head): a model with an exit gate (`ModelConfig.exit_gate`,
 `loopformer.model.halting.ExitGate`) trained with N > 1 steps learns, after every step, the halting target "the
 step's answer is already right" (BCE of the row's mean stop logit; the trainer adds it with
-`train.exit_loss_weight`). At inference a row stops after the first step whose stop probability reaches the
+`train.losses.exit_loss_weight`). At inference a row stops after the first step whose stop probability reaches the
 threshold (`step_exits`), and never later than N.
 
 Shapes: B batch, T length, D width, R loops per step, N steps, C classes.

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -33,7 +34,9 @@ from loopformer.configio import load_config, one_line, user_layers
 from loopformer.device import DEVICES
 from loopformer.errors import UserError
 from loopformer.eval.config import EvalConfig
+from loopformer.model.config import REMOVED as MODEL_REMOVED
 from loopformer.model.config import ModelConfig
+from loopformer.model.config import migrate as migrate_model
 from loopformer.model.layers import PARAM_GROUPS
 from loopformer.model.memory import loop_cap
 from loopformer.sources import TaskConfig, model_fields
@@ -331,6 +334,28 @@ def _renamed_set(where: str, sets: Any, notice: bool) -> Any:
     return out
 
 
+def _model_override(key: str, value: str) -> str | None:
+    """A `model.X=V` override in this release's form: a field that left the core at its default dropped (None),
+    `model.sandwich_norm=true` / `model.start_state=noise` / `model.start_noise=σ` as their lab extensions, another
+    removed field set refused in one line; any other override as given."""
+    name = key.split(".", 1)[1]
+    if name not in MODEL_REMOVED and not (name == "start_state" and value.strip() == "noise"):
+        return f"{key}={value}"
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    if name == "start_state":
+        return "model.extensions.noise_start={}"
+    if name == "start_noise":
+        return f"model.extensions.noise_start.sigma={value}"
+    try:
+        data = migrate_model({name: parsed})
+    except ValueError as exc:
+        raise UserError(f"config error: {exc}") from None
+    return "model.extensions.sandwich_norm={}" if data.get("extensions") else None
+
+
 def upgrade(raw: Any, notice: bool = True) -> Any:
     """A raw config layer with the keys of the earlier release (`RENAMED`) under their new names, before the typed
     load (`loopformer.configio.load_config` calls it on every layer): a dict (a YAML file, a stored config, a base)
@@ -341,6 +366,10 @@ def upgrade(raw: Any, notice: bool = True) -> Any:
         out = []
         for item in raw:
             key, eq, value = item.partition("=") if isinstance(item, str) else (item, "", "")
+            if eq and key.strip().startswith("model."):
+                item = _model_override(key.strip(), value)   # fields that left the core: migrated or refused
+                if item is None:
+                    continue
             new = renamed_key(key) if eq else None
             if new is not None:
                 _notice(key.strip(), new, notice)
@@ -349,6 +378,11 @@ def upgrade(raw: Any, notice: bool = True) -> Any:
         return out
     if not isinstance(raw, dict):
         return raw
+    if isinstance(raw.get("model"), dict):
+        try:
+            raw = {**raw, "model": migrate_model(raw["model"])}   # fields that left the core (model/config.py)
+        except ValueError as exc:
+            raise UserError(f"config error: {exc}") from None
     train = raw.get("train")
     if isinstance(train, dict) and any(k in RENAMED for k in train):
         train = dict(train)

@@ -72,8 +72,8 @@ def pct(v) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| stage | task | variant | cells | ≥ 95 % at r | median at r | worst at r | settling at 4r | lost > 100 steps |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["| stage | task | variant | cells | ≥ 95 % at r | median at r | worst at r | settling at 4r "
+           "| lost > 100 steps |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     groups: dict[tuple, list[dict]] = {}
     for c in rows:
         groups.setdefault((c["stage"], c["task"], c["variant"]), []).append(c)
