@@ -29,6 +29,26 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="
 EXIT_BOUND = 20.0          # seconds from the signal to the exit: termination, not speed
 
 
+@pytest.fixture(autouse=True)
+def stop_signals_not_ignored():
+    """The tests that signal this very process need its stop signals caught by the command: a test session started
+    as a background job of a script (`pytest ... &`) or under `nohup` inherits SIGINT or SIGHUP ignored, and the
+    command rightly keeps an ignored signal ignored — it would finish with status 0 instead of ending on the
+    signal. Within each test they start at their defaults; the inherited dispositions come back afterwards."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
+                signal.SIGHUP: signal.SIG_DFL}
+    old = {s: signal.getsignal(s) for s in defaults}
+    for s, h in defaults.items():
+        if old[s] is signal.SIG_IGN:
+            signal.signal(s, h)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            if h is signal.SIG_IGN:
+                signal.signal(s, h)
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
