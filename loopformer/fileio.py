@@ -20,6 +20,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Collection, Iterator
@@ -171,15 +172,28 @@ def foreign_entries(folder: str | os.PathLike, ours: Collection[str], marker: st
     A command writes only into a folder it made or one that holds its own `marker` file (a regular file, not a
     link): in a folder holding the marker every name outside `ours` is foreign, in any other folder every name
     (but `always`). A symbolic link is always foreign (no command writes one); the hidden temporary names of the
-    atomic writes of `ours` (`.NAME.tmp-*`, `.NAME.old-*`) never are."""
+    atomic writes of `ours` never are — exactly those names (`temporary_of`): a hidden file of the user's that
+    merely starts like one (`.config.json.orig`, `.model.safetensors.bak`) is foreign."""
     folder = Path(folder)
     if not folder.is_dir() or folder.is_symlink():
         return []
     mark = folder / marker
     allowed = list(always) + (list(ours) if mark.is_file() and not mark.is_symlink() else [])
-    hidden = [f".{n}.*" for n in ours]
     return sorted(p.name for p in folder.iterdir()
-                  if p.is_symlink() or not any(fnmatch.fnmatchcase(p.name, pat) for pat in allowed + hidden))
+                  if p.is_symlink() or not (any(fnmatch.fnmatchcase(p.name, pat) for pat in allowed)
+                                            or temporary_of(p.name, ours)))
+
+
+# the hidden names the atomic writers give: `.NAME.tmp-<pid>` (`write_with`), `.NAME.tmp-<pid>-<random>`
+# (`new_folder`), `.NAME.old-<pid>` (`replace_dir`), `.NAME.old-broken-<pid>` (a checkpoint's repair)
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?:tmp|old|old-broken)-[0-9]+(?:-[A-Za-z0-9_]+)?")
+
+
+def temporary_of(name: str, ours: Collection[str]) -> bool:
+    """Whether `name` is the hidden temporary name an atomic write of one of `ours` (names or fnmatch patterns)
+    gives."""
+    m = _TEMPORARY.fullmatch(name)
+    return m is not None and any(fnmatch.fnmatchcase(m.group("name"), pat) for pat in ours)
 
 
 def check_owned_folder(folder: str | os.PathLike, ours: Collection[str], marker: str, what: str,
@@ -227,5 +241,5 @@ def read_manifest(folder: str | os.PathLike, missing: str, name: str = "manifest
 
 __all__ = ["temp_path", "write_with", "write_text", "write_json", "write_figure", "check_figure_path", "replace_dir",
            "new_folder", "removed_on_failure",
-           "foreign_entries", "check_owned_folder", "open_nofollow", "owner_dead", "remove_stale_temps",
-           "read_manifest"]
+           "foreign_entries", "temporary_of", "check_owned_folder", "open_nofollow", "owner_dead",
+           "remove_stale_temps", "read_manifest"]
