@@ -71,13 +71,19 @@ def start(argv: list[str], cwd: Path, group: bool = False) -> tuple[subprocess.P
     with open(err, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "loopformer.cli", *argv], cwd=cwd, stdout=subprocess.DEVNULL,
                                 stderr=fh, env=env, preexec_fn=defaults)
+    STDERR[proc.pid] = err
     return proc, err
+
+
+STDERR: dict[int, Path] = {}     # a started command's process id → the file its stderr goes to
 
 
 def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 120.0) -> None:
     t0 = time.monotonic()
     while not ready():
-        assert proc.poll() is None, f"the command ended (status {proc.returncode}) before {what}"
+        if proc.poll() is not None:
+            tail = STDERR[proc.pid].read_text(errors="replace")[-2000:] if proc.pid in STDERR else ""
+            pytest.fail(f"the command ended (status {proc.returncode}) before {what}: {tail}")
         assert time.monotonic() - t0 < timeout, f"no {what} after {timeout:.0f} s"
         time.sleep(0.02)
 
