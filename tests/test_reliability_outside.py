@@ -5,9 +5,11 @@ correct result or one line with exit status 2, with nothing the user owns change
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,82 @@ def test_convert_and_export_keep_the_user_s_hidden_files(run, tmp_path, capsys, 
     assert main(["export", str(sharded), "--out", str(exported)]) == 2
     error_line(capsys, hidden)
     assert digest(exported) == before
+
+
+# ------------------------------------------------------------------------------------------------ registry commands
+TINY = ["train.steps=12", "task.n_train=256", "task.n_test=64", "eval.max_loops=4", "model.d_model=16",
+        "log.dynamics=false"]
+ANALYSIS = '    analysis: {command: [analyze, continuity, "{run}", --data, "{data}/c", --out, "{out}"%s]}\n'
+
+
+def registry(tmp_path: Path, analysis: str = "", prepare: str = "", seeds: str = "2") -> Path:
+    """A registry of one tiny training claim, with an analysis step (extra words after `--out {out}`) or a
+    prepare step if given."""
+    step = (ANALYSIS % analysis + "    higher_is_better: false\n    metric: analysis.models.*.coefficient\n"
+            if analysis is not None else "")
+    text = f"""
+claims:
+  - id: tiny
+    statement: a tiny claim
+{step}    cpu:
+      group: tiny
+      config: cpu/demo.yaml
+      overrides: {json.dumps(TINY)}
+{prepare}      arms:
+        - {{name: one loop, overrides: [model.loops=1]}}
+        - {{name: two loops, overrides: [model.loops=2]}}
+      seeds: {seeds}
+    rule: {{kind: paired, a: two loops, b: one loop, margin: 0.0}}
+"""
+    path = tmp_path / "claims.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("analysis,prepare", [
+    (', "--out=/tmp/mine"', None), (', "--out={out}/../../.."', None), (', --ou, /tmp/mine', None),
+    (None, '      prepare: [data, gen, lcs, --out, "{data}/p", "--out={data}/../../x"]\n'),
+    (None, '      prepare: [data, gen, lcs, --o, "{data}/p"]\n')])
+def test_registry_commands_may_not_name_another_out(tmp_path, capsys, analysis, prepare):
+    """A second `--out=DIR` (or an abbreviation of the flag) after the checked `--out {out}` would be the folder
+    the command writes: refused when the registry is loaded, before any run."""
+    reg = registry(tmp_path, analysis, prepare or "")
+    assert main(["reproduce", "--registry", str(reg), "--out", str(tmp_path / "o"), "--dry-run"]) == 2
+    error_line(capsys, "may name its folder only as `--out DIR`")
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_analysis_folder_that_is_a_link_is_not_written_through(tmp_path, capsys, monkeypatch):
+    import subprocess as sp
+
+    import loopformer.experiments.reproduce as rep
+
+    def fake_run_specs(specs, *args, **kwargs):
+        for spec in specs:
+            spec.out_dir.mkdir(parents=True, exist_ok=True)
+            (spec.out_dir / "results.json").write_text(json.dumps({"test": {"accuracy": 0.5}}))
+
+    monkeypatch.setattr(rep, "run_specs", fake_run_specs)
+    monkeypatch.setattr(rep.subprocess, "run", lambda cmd, **kw: pytest.fail(f"ran {cmd}") if "loopformer.cli" in cmd
+                        else sp.run(cmd, **kw))
+    mine = tmp_path / "mine"
+    (mine / "continuity").mkdir(parents=True)
+    (mine / "continuity" / "continuity.json").write_text('{"models": {"x": {"coefficient": 1.0}}}')
+    before = digest(mine)
+    run = tmp_path / "o" / "runs" / "tiny" / "one-loop_seed=0"
+    run.mkdir(parents=True)
+    (run / "analysis").symlink_to(mine)
+    assert main(["reproduce", "--registry", str(registry(tmp_path, "")), "--out", str(tmp_path / "o"),
+                 "--quiet"]) == 2
+    error_line(capsys, "refusing to write through it")
+    assert digest(mine) == before
+
+
+@pytest.mark.parametrize("seeds,needle", [("1000000000", "seeds in 1..100 (got seeds: 1000000000)"),
+                                          ("1e9", "cpu.seeds"), ("0", "seeds in 1..100")])
+def test_registry_seeds_are_bounded_at_load(tmp_path, capsys, seeds, needle):
+    t0 = time.perf_counter()
+    assert main(["reproduce", "--registry", str(registry(tmp_path, None, seeds=seeds)), "--out",
+                 str(tmp_path / "o"), "--dry-run"]) == 2
+    error_line(capsys, needle)
+    assert time.perf_counter() - t0 < 5 and not (tmp_path / "o").exists()

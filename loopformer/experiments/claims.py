@@ -57,6 +57,7 @@ KINDS = ("train", "theory")
 # the measurements an analysis step may run: the command's first words → the JSON file it writes into --out
 ANALYSES = {("analyze", "continuity"): "continuity.json", ("analyze", "dynamics"): "dynamics.json"}
 PREPARE_COMMANDS = (("text", "prepare"), ("data", "gen"))   # what an experiment's `prepare` step may run
+MAX_SEEDS = 100          # the most model seeds per arm (an experiment's `seeds`, `reproduce --seeds`)
 
 
 def check_name(kind: str, name: str) -> None:
@@ -65,6 +66,20 @@ def check_name(kind: str, name: str) -> None:
     if not name or len(name) > 100 or name.startswith(".") or any(c in name for c in "/\\\0"):
         raise ValueError(f"{kind} {name!r}: a name must be one folder name (no '/', no leading '.', at most 100 "
                          "characters)")
+
+
+def out_values(command: list[str], where: str) -> list[str]:
+    """The values a registry command gives `--out` (each as its own word after `--out`); a ValueError for any other
+    way of naming the flag (`--out=DIR`, an abbreviation such as `--ou DIR`), which the command's parser would take
+    as the folder to write, overriding the checked one."""
+    outs = []
+    for i, a in enumerate(command):
+        flag = a.split("=", 1)[0]
+        if len(flag) >= 3 and "--out".startswith(flag):
+            if a != "--out":
+                raise ValueError(f"{where} may name its folder only as `--out DIR` (got {a!r})")
+            outs.append(command[i + 1] if i + 1 < len(command) else "")
+    return outs
 
 
 def check_prepare(group: str, prepare: list[str]) -> None:
@@ -78,7 +93,7 @@ def check_prepare(group: str, prepare: list[str]) -> None:
                          f"(got {' '.join(prepare[:2])!r})")
     if "--force" in prepare:
         raise ValueError(f"{where} may not pass --force")
-    outs = [prepare[i + 1] for i, a in enumerate(prepare[:-1]) if a == "--out"]
+    outs = out_values(prepare, where)
     if len(outs) != 1 or not (outs[0] == "{data}" or outs[0].startswith("{data}/")) or ".." in outs[0].split("/"):
         raise ValueError(f"{where} must write with one --out under {{data}} (the report's data folder)")
 VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not run")
@@ -133,8 +148,7 @@ class Analysis:
             raise ValueError(f"{where} {' '.join(self.command[:2])!r} is not an analysis (choose from {known})")
         if "{run}" not in self.command:
             raise ValueError(f"{where} must name the run as {{run}}")
-        outs = [self.command[i + 1] for i, a in enumerate(self.command[:-1]) if a == "--out"]
-        if outs != ["{out}"]:
+        if out_values(self.command, where) != ["{out}"]:
             raise ValueError(f"{where} must write with --out {{out}} (the run's analysis folder)")
         if not self.name:
             self.name = self.command[1]
@@ -187,8 +201,9 @@ class Claim:
                 for need in self.rule.arms():
                     if need not in names:
                         raise ValueError(f"claim {self.id}: rule names arm {need!r}, not one of {names}")
-                if not exp.group or not exp.config or exp.seeds < 1:
-                    raise ValueError(f"claim {self.id}: an experiment needs a group, a config and seeds >= 1")
+                if not exp.group or not exp.config or not 1 <= exp.seeds <= MAX_SEEDS:
+                    raise ValueError(f"claim {self.id}: an experiment needs a group, a config and seeds in "
+                                     f"1..{MAX_SEEDS} (got seeds: {exp.seeds})")
                 check_name("group", exp.group)
                 check_prepare(exp.group, exp.prepare)
 
@@ -382,4 +397,5 @@ def compute_note(flops: dict[str, int | None], tolerance: float = COMPUTE_TOLERA
 
 __all__ = ["ANALYSES", "Analysis", "Arm", "Experiment", "Rule", "Claim", "Registry", "Verdict", "load_registry",
            "select", "metric_value", "verdict", "iso_depth_shares", "median_range", "median_interval", "binom_tail",
-           "ALPHA", "compute_ratio", "compute_note", "COMPUTE_TOLERANCE", "RULES", "VERDICTS"]
+           "ALPHA", "compute_ratio", "compute_note", "COMPUTE_TOLERANCE", "RULES", "VERDICTS", "MAX_SEEDS",
+           "out_values"]

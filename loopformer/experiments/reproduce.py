@@ -36,6 +36,7 @@ import torch
 from loopformer.configio import shipped_config
 from loopformer.errors import UserError
 from loopformer.experiments.claims import (
+    MAX_SEEDS,
     Claim,
     Experiment,
     compute_note,
@@ -57,7 +58,6 @@ from loopformer.train.run import git_commit, read_results, stored_config
 SECONDS_PER_UNIT = 1.2e-10   # one thread of a 2-core machine: a demo run (LCS-6, r = 8, 3,000 steps) took 144 s
 GPU_UNITS_PER_S = 1.0e14     # assumed sustained rate on one modern GPU (bf16), for --scale paper estimates
 THEORY_S = 60.0
-MAX_SEEDS = 100              # the most model seeds per arm `--seeds` takes
 DEFAULT_MAX_SEEDS = 7        # the sequential rule's cap (`--max-seeds`)
 EXPORTED = ("report.md", "report.json", "*.png", "runs")   # what `export` writes into its folder
 README_BEGIN, README_END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
@@ -241,14 +241,27 @@ def analysis_command(run: PlannedRun, claim: Claim, out: Path) -> list[str]:
     return args
 
 
+def check_no_links(base: Path, path: Path) -> None:
+    """A one-line UserError if a folder from below `base` down to `path` is a symbolic link or not a folder: the
+    report writes under its `--out` only, never through a link it did not make."""
+    here = Path(base)
+    for part in Path(path).relative_to(base).parts:
+        here = here / part
+        if here.is_symlink() or (os.path.lexists(here) and not here.is_dir()):
+            raise UserError(f"{here} is a symbolic link or a file, not a folder reproduce made; refusing to write "
+                            f"through it (remove it)")
+
+
 def run_analyses(claims: list[Claim], runs: list[PlannedRun], out: Path, progress: bool) -> None:
     """Each claim's analysis on each of its finished runs, once (an output already there is reused)."""
     for c in claims:
         if c.analysis is None:
             continue
         for r in runs:
-            if c.id not in r.claim_ids or not (r.spec.out_dir / "results.json").is_file() or \
-                    (analysis_folder(r, c) / c.analysis.output()).is_file():
+            if c.id not in r.claim_ids or not (r.spec.out_dir / "results.json").is_file():
+                continue
+            check_no_links(out, analysis_folder(r, c))
+            if (analysis_folder(r, c) / c.analysis.output()).is_file():
                 continue
             args = analysis_command(r, c, out)
             if progress:
