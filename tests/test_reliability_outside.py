@@ -158,3 +158,43 @@ def test_registry_seeds_are_bounded_at_load(tmp_path, capsys, seeds, needle):
                  str(tmp_path / "o"), "--dry-run"]) == 2
     error_line(capsys, needle)
     assert time.perf_counter() - t0 < 5 and not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------------ figures
+LENGTHS = {"lengths": [{"length": 4, "metric": 0.5, "loops": 2, "loopwise": [0.2, 0.5]},
+                       {"length": 8, "metric": 0.25, "loops": 4, "loopwise": [0.0, 0.1, 0.2, 0.25]}],
+           "metric": "accuracy", "formula": "n", "trained_size": 4}
+
+
+def test_the_lengths_figure_is_atomic_and_replaces_a_link(tmp_path, monkeypatch):
+    """`eval --lengths --plot FILE`: a link at FILE is replaced, its target (the user's file) untouched; a failure
+    while drawing leaves FILE as it was and no temporary file."""
+    import matplotlib.figure
+
+    from loopformer.eval.lengths import lengths_plot
+
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"the user's")
+    fig = tmp_path / "fig.png"
+    fig.symlink_to(mine)
+    lengths_plot(LENGTHS, str(fig))
+    assert mine.read_bytes() == b"the user's"
+    assert not fig.is_symlink() and fig.read_bytes()[:4] == b"\x89PNG"
+    before = fig.read_bytes()
+
+    def half_written(self, fname, **kw):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_written)
+    with pytest.raises(OSError):
+        lengths_plot(LENGTHS, str(fig))
+    assert fig.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["fig.png", "mine.png"]
+
+
+def test_every_figure_is_written_through_the_atomic_writer():
+    """No module saves a matplotlib figure itself: `loopformer.fileio.write_figure` is the one place."""
+    root = Path(__file__).resolve().parents[1] / "loopformer"
+    direct = [str(p.relative_to(root)) for p in root.rglob("*.py")
+              if p.name != "fileio.py" and ".savefig(" in p.read_text(encoding="utf-8")]
+    assert direct == []

@@ -27,6 +27,7 @@ import torch
 
 from loopformer.errors import UserError
 from loopformer.eval.evaluate import fixed_depth, read_outs
+from loopformer.fileio import write_figure
 from loopformer.model.lengths import LoopRule
 from loopformer.model.memory import check_loops
 from loopformer.sources import DataSource, check_data_fits
@@ -235,8 +236,10 @@ def lengths_plot(res: dict[str, Any], path: str, title: str = "") -> None:
     b.legend(loc="best", fontsize=8)
     fig.suptitle(title or f"loops T(n) = {res['formula']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_figure(fig, path, dpi=110)        # atomic, replacing a link at `path` rather than writing through it
+    finally:
+        plt.close(fig)
 
 
 __all__ = ["parse_lengths", "plan_lengths", "confident_stop", "loop_vote", "length_curve", "format_lengths",
