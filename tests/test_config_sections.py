@@ -22,7 +22,7 @@ from loopformer.experiments.reproduce import plan
 from loopformer.experiments.stale import config_changes, resolve_stale
 from loopformer.experiments.sweep import _config_of, expand, parse_grid, prepare_specs, run_name
 from loopformer.train import config as config_mod
-from loopformer.train.config import RENAMED, LoopSampling, OptimConfig, SystemConfig, load_run_config
+from loopformer.train.config import RENAMED, TRAIN_REMOVED, LoopSampling, OptimConfig, SystemConfig, load_run_config
 from loopformer.train.run import CONFIG_FILE, load_for_resume
 from loopformer.train.stages import stage_configs
 from loopformer.train.trainer import train
@@ -50,7 +50,7 @@ def _old_layout(cfg) -> dict:
     train = d["train"]
     for old, new in RENAMED.items():
         section, name = new.split(".")
-        train[old] = train[section][name]
+        train[old] = train[section][name] if name in train[section] else TRAIN_REMOVED[new]   # since left the core
     for section in {new.split(".")[0] for new in RENAMED.values()}:
         del train[section]
     for st in d["stages"]:
@@ -231,3 +231,19 @@ claims:
         _same(a, b)
     assert old[1].train.optim.lr == 0.01
     assert len(_notices(capsys.readouterr().err)) == 1
+
+
+def test_training_switches_that_left_the_core_are_dropped_at_their_defaults_and_refused_when_set(tmp_path):
+    old = tmp_path / "old.yaml"            # a YAML (or a run's stored config) that still holds them
+    old.write_text(yaml.safe_dump({"train": {"jacobian": 0.0, "consistency": 0.0, "consistency_budget": "double",
+                                             "curriculum_targets": "spread", "losses": {}}}))
+    assert load_run_config(old, BASE) == load_run_config(None, BASE)
+    assert load_run_config(None, [*BASE, "train.losses.jacobian=0", "train.loops.curriculum_targets=spread"]) \
+        == load_run_config(None, BASE)
+    for bad in ("train.jacobian=0.1", "train.losses.consistency=0.5", "train.curriculum_targets=prefix",
+                "train.losses.consistency_budget=max"):
+        with pytest.raises(UserError, match="has left loopformer.*before-core-split"):
+            load_run_config(None, [*BASE, bad])
+    old.write_text(yaml.safe_dump({"train": {"losses": {"jacobian": 0.1}}}))
+    with pytest.raises(UserError, match="train.losses.jacobian has left loopformer"):
+        load_run_config(old, BASE)

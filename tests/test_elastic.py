@@ -1,5 +1,5 @@
 """Elastic depth: a loop count per row, the budget-aware timestep encoding (normalised time and step), budgets drawn
-in training, the consistency and fixed-point losses, and evaluation over budgets — each against a reference run
+in training, the fixed-point loss, and evaluation over budgets — each against a reference run
 with a fixed loop count or a hand-written computation."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from loopformer.sources import TokenData
 from loopformer.tasks import IGNORE
 from loopformer.train.config import load_run_config
 from loopformer.train.distributed import setup, teardown
-from loopformer.train.losses import consistency_loss, fixed_point_loss
+from loopformer.train.losses import fixed_point_loss
 from loopformer.train.optim import loops_at, sample_loops
 from loopformer.train.run import load_for_resume, read_metrics, read_results
 from loopformer.train.trainer import Trainer, train
@@ -246,9 +246,9 @@ def test_budgets_compose_with_deep_supervision_and_the_exit_gate(tmp_path):
     assert res["total_loops"] == 6 and [b["loops"] for b in res["budgets"]["budgets"]] == [2, 6]
 
 
-def test_resume_with_row_budgets_and_consistency_equals_uninterrupted(tmp_path, train_killed_at):
+def test_resume_with_row_budgets_equals_uninterrupted(tmp_path, train_killed_at):
     extra = ["train.steps=8", "train.eval_every=3", "train.loops.sample=uniform", "train.loops.sample_per=row",
-             "train.loops.max=5", "train.losses.consistency=0.5", "model.timestep=true",
+             "train.loops.max=5", "model.timestep=true",
              "model.timestep_time=normalized", "eval.budgets=[1,3,6]"]
     train(tiny(tmp_path, *extra, name="full"))
     train_killed_at(tiny(tmp_path, *extra, name="cut"), 5)
@@ -285,11 +285,11 @@ def _step_grads(cfg) -> dict[str, torch.Tensor]:
         teardown()
 
 
-@pytest.mark.parametrize("kind", ["consistency", "fixed_point"])
-def test_elastic_losses_match_hand_written(tmp_path, kind):
-    """One step's gradients equal those of the task loss + the elastic loss written out by hand."""
+def test_the_fixed_point_loss_matches_hand_written(tmp_path):
+    """One step's gradients equal those of the task loss + the fixed-point loss written out by hand."""
     w = 0.7
-    extra = ["train.steps=1", "train.optim.grad_clip=0", f"train.losses.{kind}={w}", "train.losses.fixed_point_loops=2"]
+    extra = ["train.steps=1", "train.optim.grad_clip=0", f"train.losses.fixed_point={w}",
+             "train.losses.fixed_point_loops=2"]
     grads, t = _step_grads(tiny(tmp_path, *extra))
     model, data, R = t.model, t.data, 3
     b = data.fetch(data.plan(0, 8), 0)
@@ -298,34 +298,16 @@ def test_elastic_losses_match_hand_written(tmp_path, kind):
     model.zero_grad()
     out = model(x, loops=R)
     loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum") / keep.sum()
-    if kind == "consistency":
-        with torch.no_grad():
-            teacher = model(x, loops=2 * R).logits
-        kl = (teacher.softmax(-1) * (teacher.log_softmax(-1) - out.logits.log_softmax(-1))).sum(-1)
-        loss = loss + w * (kl * keep).sum() / keep.sum()
-    else:
-        h = out.hidden
-        h2 = model(x, loops=R + 2).hidden
-        move = ((h2 - h.detach()).square().sum(-1) / h.detach().square().sum(-1)).mean()
-        loss = loss + w * move
+    h = out.hidden
+    h2 = model(x, loops=R + 2).hidden
+    move = ((h2 - h.detach()).square().sum(-1) / h.detach().square().sum(-1)).mean()
+    loss = loss + w * move
     loss.backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, atol=2e-6, rtol=2e-4, msg=n)
 
 
-def test_consistency_and_fixed_point_losses():
-    s = torch.randn(2, 3, 5, requires_grad=True)
-    keep = torch.tensor([[True, False, True], [True, True, False]])
-    assert consistency_loss(s, s, keep).item() == pytest.approx(0.0, abs=1e-6)
-    t = torch.randn(2, 3, 5)
-    ref = sum(float((t[i, j].softmax(-1) * (t[i, j].log_softmax(-1) - s[i, j].detach().log_softmax(-1))).sum())
-              for i in range(2) for j in range(3) if keep[i, j])
-    assert consistency_loss(s, t, keep).item() == pytest.approx(ref, rel=1e-5)
-    reg = torch.randn(2, 3, 1)
-    assert consistency_loss(reg, reg + 2, keep).item() == pytest.approx(4 * 4)      # squared error, 4 positions
-    tt = t.clone().requires_grad_()
-    consistency_loss(s, tt, keep).backward()
-    assert tt.grad is None                                                          # the target is stopped
+def test_fixed_point_loss():
     h = torch.randn(2, 3, 4)
     assert fixed_point_loss(h, h).item() == 0.0
     assert fixed_point_loss(2 * h, h).item() == pytest.approx(6.0)                 # ||h||²/||h||² at 6 positions

@@ -337,9 +337,9 @@ def test_loop_rule_rows_are_scored_on_their_own_step_t_in_a_length_curriculum(tm
     seen = []
     orig = Trainer.forward_loss
 
-    def spy(self, x, state, offset, at, targets, *a, **k):
-        seen.append((x.clone(), targets.clone()))
-        return orig(self, x, state, offset, at, targets, *a, **k)
+    def spy(self, mb, state, offset):
+        seen.append((mb.inputs.clone(), mb.targets.clone()))
+        return orig(self, mb, state, offset)
 
     monkeypatch.setattr(Trainer, "forward_loss", spy)
     train(load_run_config(None, over))
@@ -661,9 +661,9 @@ def test_copy_trains_on_its_scan_and_is_evaluated_at_other_lengths(tmp_path, mon
     seen = []
     orig = Trainer.forward_loss
 
-    def spy(self, x, state, offset, at, targets, *a, **k):
-        seen.append(targets.clone())
-        return orig(self, x, state, offset, at, targets, *a, **k)
+    def spy(self, mb, state, offset):
+        seen.append(mb.targets.clone())
+        return orig(self, mb, state, offset)
 
     monkeypatch.setattr(Trainer, "forward_loss", spy)
     assert _train(tmp_path, "task.name=copy", "task.options={length: 6, min_length: 1, scan: true}",

@@ -297,30 +297,14 @@ def test_per_loop_loss_equals_the_loss_of_each_loop_on_its_own_targets():
 
 
 def test_prefix_targets_keep_each_loop_on_its_step_in_a_curriculum():
-    """A curriculum's shorter step of R loops: "spread" targets squeeze the K steps into the R loops, "prefix"
-    targets train the first R loops of the full run (r loops) on the steps they have there."""
+    """A curriculum's shorter step of R loops spreads the K steps over the R loops."""
     K, B, T = 8, 2, 3
     steps = torch.arange(K)[None, :, None].expand(B, K, T)            # step j's state is the number j - 1
     assert loop_targets(steps, 4, 4)[:, 0, 0].tolist() == [1, 3, 5, 7]            # spread: steps 2, 4, 6, 8
-    assert loop_targets(steps, 4, 4, schedule=8)[:, 0, 0].tolist() == [0, 1, 2, 3]   # prefix: steps 1-4
-    assert loop_targets(steps, 4, 2, schedule=16)[:, 0, 0].tolist() == [2, 3]   # r = 16 > K: one step per loop
-    assert torch.equal(loop_targets(steps, 8, 8, schedule=8), loop_targets(steps, 8, 8))   # at R = r: the same
+    assert loop_targets(steps, 8, 8)[:, 0, 0].tolist() == list(range(8))           # R = K: one step per loop
     # a loop rule's batch of short rows (R = 4 < K = 8): loop t is step t, never spread
     assert loop_targets(steps, 4, 4, per_row=True)[:, 0, 0].tolist() == [0, 1, 2, 3]
     assert loop_targets(steps, 10, 3, per_row=True)[:, 0, 0].tolist() == [7, 7, 7]   # past K: the final state
-
-
-def test_prefix_curriculum_trains(tmp_path):
-    """A loop curriculum with prefix targets through the trainer: the first steps (2 loops) are scored on steps 1-2
-    of the 3-layer circuit, not on steps 2 and 3, so their losses differ from the spread curriculum's."""
-    over = [*TINY, "task.name=schedule", "task.options={layers: 3, width: 5, alphabet: 3}", "task.loop_targets=true",
-            "train.loops.start=2", "train.loops.every=3", "train.system.compile=false"]
-    a = train(load_run_config(None, [*over, "train.loops.curriculum_targets=prefix", f"out_dir={tmp_path / 'a'}"]))
-    b = train(load_run_config(None, [*over, f"out_dir={tmp_path / 'b'}"]))
-    la = [r for r in map(json.loads, open(tmp_path / "a" / "metrics.jsonl")) if r.get("split") == "train"]
-    lb = [r for r in map(json.loads, open(tmp_path / "b" / "metrics.jsonl")) if r.get("split") == "train"]
-    assert la[0]["loops"] == lb[0]["loops"] == 2 and la[0]["loss"] != lb[0]["loss"]
-    assert 0 <= a["test"]["accuracy"] <= 1 and 0 <= b["test"]["accuracy"] <= 1
 
 
 TINY = ["task.n_train=256", "task.n_test=64", "model.d_model=16", "model.n_heads=2", "model.loops=3",

@@ -10,9 +10,9 @@ With input injection the read-in e is added before every loop, so at inference (
 N steps of r loops are exactly one forward pass of N·r loops; a TMLT model reads the loop index counting on
 across steps (`ModelConfig.step_timestep = "continue"`) or restarting at every step ("restart": the same r
 modulations each step, the model's `loop_indices` takes t mod r). So evaluation after any number of steps is the
-loop-wise curve of the model taken at multiples of r. `supervision_steps` below is the one loop over the N steps:
-it runs the plain forward, or the trainer's step (`run_step`: its compiled forward-and-loss, then the backward, in
-`Trainer.step`), with the same carried state and loop offsets (`step_offset`).
+loop-wise curve of the model taken at multiples of r. `supervision_steps` below runs the N steps of inference;
+training loops over the same steps itself (`Trainer._micro_step`: each step's forward and loss, then its backward),
+with the same carried, detached state and loop offsets (`step_offset`).
 
 Halting across steps (TRM's halting head): a model with an exit gate (`ModelConfig.exit_gate`,
 `loopformer.model.halting.ExitGate`) trained with N > 1 steps learns, after every step, the halting target "the
@@ -25,7 +25,7 @@ Shapes: B batch, T length, D width, R loops per step, N steps, C classes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -41,9 +41,7 @@ def step_offset(step_timestep: str, step: int, loops: int) -> int:
 
 def supervision_steps(net: torch.nn.Module, x: torch.Tensor, steps: int, loops: int | None = None, *,
                       return_all: bool = False, detach: bool = True, read_at: torch.Tensor | None = None,
-                      read_loops: int | None = None,
-                      run_step: Callable[[int, torch.Tensor | None, int], LoopOutput] | None = None
-                      ) -> Iterator[LoopOutput]:
+                      read_loops: int | None = None) -> Iterator[LoopOutput]:
     """The N = `steps` supervision steps of `loops` loops each (default: the model's r) on inputs x [B,T]: yields
     each step's output (logits [B,T,C], hidden [B,T,D]; with `return_all` every loop's read-out) in turn.
 
@@ -51,20 +49,16 @@ def supervision_steps(net: torch.nn.Module, x: torch.Tensor, steps: int, loops: 
     `detach` is False; a caller that backpropagates each step's loss before asking for the next keeps one step's
     activations in memory. The timestep encoding continues counting (loop offset s·R) or restarts (offset 0)
     per the model's `step_timestep`. `read_at`, `read_loops`: the read-out's positions and loops (see
-    `LoopedTransformer.forward`). `run_step(s, state, offset)`: runs step s from `state` (None: the read-in) at
-    loop offset `offset` instead of the plain forward, and returns its output (the training step: forward, loss
-    and backward); the other arguments then go unused.
+    `LoopedTransformer.forward`). Training runs the same steps itself, each with its loss and backward
+    (`loopformer.train.trainer.Trainer._micro_step`, with `step_offset`).
     """
     cfg = unwrap(net).config
     R = int(loops or cfg.loops)
     h: torch.Tensor | None = None
     for s in range(int(steps)):
         offset = step_offset(cfg.step_timestep, s, R)
-        if run_step is not None:
-            out = run_step(s, h, offset)
-        else:
-            out = net(x, loops=R, return_all=return_all,
-                      opts=LoopOptions(state=h, loop_offset=offset, read_at=read_at, read_loops=read_loops))
+        out = net(x, loops=R, return_all=return_all,
+                  opts=LoopOptions(state=h, loop_offset=offset, read_at=read_at, read_loops=read_loops))
         yield out
         h = out.hidden.detach() if detach else out.hidden
 

@@ -34,8 +34,8 @@ from loopformer.configio import load_config, one_line, user_layers
 from loopformer.device import DEVICES
 from loopformer.errors import UserError
 from loopformer.eval.config import EvalConfig
+from loopformer.model.config import BEFORE_SPLIT, ModelConfig
 from loopformer.model.config import REMOVED as MODEL_REMOVED
-from loopformer.model.config import ModelConfig
 from loopformer.model.config import migrate as migrate_model
 from loopformer.model.layers import PARAM_GROUPS
 from loopformer.model.memory import loop_cap
@@ -102,10 +102,6 @@ class LoopSampling:
     start: int = 0                    # loop curriculum: start with this many loops (0: off) ...
     every: int = 1000                 # ... and add `increment` loops every `every` steps, up to model.loops
     increment: int = 1
-    curriculum_targets: str = "spread"  # per-loop targets of a curriculum's shorter steps (R < model.loops):
-                                      # "spread" the task's K steps over the R loops | "prefix" the first R loops of
-                                      # the full run's schedule (loop t keeps its target; the last read is not the
-                                      # answer until R = model.loops)
     # elastic depth (docs/elastic-depth.md): train one model for a range of loop budgets
     sample: str = "fixed"             # the loop count R of a step: "fixed" (model.loops, or the curriculum) | drawn
                                       # "uniform" over min..max | "loguniform" (each octave alike);
@@ -125,8 +121,6 @@ class LoopSampling:
                                       # (the answer must hold past T(n)); a pure function of (seed, step)
 
     def __post_init__(self) -> None:
-        _need(self.curriculum_targets in ("spread", "prefix"),
-              f"train.loops.curriculum_targets must be 'spread' or 'prefix' (got {self.curriculum_targets!r})")
         _need(self.start >= 0 and self.every >= 1 and self.increment >= 1,
               "loop curriculum: train.loops.start >= 0, train.loops.every >= 1, train.loops.increment >= 1")
         _need(self.sample in LOOP_SAMPLES, f"train.loops.sample must be one of {LOOP_SAMPLES} (got {self.sample!r})")
@@ -155,21 +149,15 @@ class LoopSampling:
 
 @dataclass
 class LossConfig:
-    """Every training loss beside the task's: which read-outs enter it, elastic depth's consistency, the
-    fixed-point and Jacobian penalties, the exit gate's loss (`loopformer.train.losses`)."""
+    """Every training loss beside the task's: which read-outs enter it, the fixed-point loss, the exit gate's loss
+    (`loopformer.train.losses`)."""
     loops: str = "last"               # last | all (every loop's read-out, Sudoku and ICL) | window (the last `window`)
     window: int = 1
     kind: str = "cross_entropy"       # the classification loss: "cross_entropy" | "stablemax" (a softmax whose
                                       # exponential grows linearly: no softmax collapse; loopformer.train.losses)
-    consistency: float = 0.0          # weight of the agreement of the read-out at R with a stop-gradient read-out at
-                                      # a larger budget (KL; squared error for regression); 0: off
-    consistency_budget: str = "double"  # the target's budget: "double" min(2R, train.loops.max) | "max"
-                                      # train.loops.max (the full route, as LoopFormer's shortcut consistency)
     fixed_point: float = 0.0          # weight of the fixed-point loss: fixed_point_loops more loops past R should not
                                       # move the state, ||h(R+m) − sg h(R)||² / ||sg h(R)||² per position; 0: off
     fixed_point_loops: int = 1
-    jacobian: float = 0.0             # weight of the Jacobian penalty: the loop map's mean squared singular value at
-                                      # the final state, ||εᵀJ||² / ||ε||² for ε ~ N(0, I) (one more loop); 0: off
     exit_loss: str = "target"         # how a model's exit gate (model.exit_gate) learns: "target" (BCE on "the
                                       # read-out after loop t is already correct", as TRM) | "distribution" (the
                                       # per-loop losses weighted by the exit distribution, as Ouro); see
@@ -182,12 +170,8 @@ class LossConfig:
         _need(self.window >= 1, "train.losses.window must be >= 1")
         _need(self.kind in ("cross_entropy", "stablemax"),
               f"train.losses.kind must be 'cross_entropy' or 'stablemax' (got {self.kind!r})")
-        _need(self.consistency >= 0 and self.fixed_point >= 0,
-              "train.losses.consistency and train.losses.fixed_point must be >= 0")
-        _need(math.isfinite(self.jacobian) and self.jacobian >= 0,
-              f"train.losses.jacobian must be a finite number >= 0 (got {self.jacobian})")
-        _need(self.consistency_budget in ("double", "max"),
-              f"train.losses.consistency_budget must be 'double' or 'max' (got {self.consistency_budget!r})")
+        _need(math.isfinite(self.fixed_point) and self.fixed_point >= 0,
+              f"train.losses.fixed_point must be a finite number >= 0 (got {self.fixed_point})")
         _need(1 <= self.fixed_point_loops <= 1024,
               f"train.losses.fixed_point_loops must be in 1..1024 (got {self.fixed_point_loops})")
         _need(self.exit_loss in EXIT_LOSSES,
@@ -334,6 +318,26 @@ def _renamed_set(where: str, sets: Any, notice: bool) -> Any:
     return out
 
 
+# the training switches that left the core with their defaults (docs/architecture.md, "What left the core"): old
+# configs hold them at the default, dropped on reading; set otherwise they are refused in one line
+TRAIN_REMOVED = {"losses.jacobian": 0.0, "losses.consistency": 0.0, "losses.consistency_budget": "double",
+                 "loops.curriculum_targets": "spread"}
+
+
+def _drop_removed(train: dict) -> dict:
+    """A train section (its keys already in sections) without the fields that left the core (`TRAIN_REMOVED`)."""
+    out = dict(train)
+    for key, default in TRAIN_REMOVED.items():
+        section, name = key.split(".")
+        sec = out.get(section)
+        if isinstance(sec, dict) and name in sec:
+            if sec[name] != default:
+                raise UserError(f"config error: train.{key} has left loopformer (its study found it did not help); "
+                                f"runs that used it run from the tag {BEFORE_SPLIT}")
+            out[section] = {k: v for k, v in sec.items() if k != name}
+    return out
+
+
 def _model_override(key: str, value: str) -> str | None:
     """A `model.X=V` override in this release's form: a field that left the core at its default dropped (None),
     `model.sandwich_norm=true` / `model.start_state=noise` / `model.start_noise=σ` as their lab extensions, another
@@ -356,6 +360,38 @@ def _model_override(key: str, value: str) -> str | None:
     return "model.extensions.sandwich_norm={}" if data.get("extensions") else None
 
 
+def _nested(key: str, value: str) -> dict:
+    """{section: {name: the override's value}} of a dotted `section.name=value` override."""
+    section, name = key.split(".", 1)
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return {section: {name: parsed}}
+
+
+def _upgrade_overrides(raw: list, notice: bool) -> list:
+    """`upgrade` of a list of `key=value` overrides: renamed keys under their new names (in place, so the later of
+    an old and a new key still wins); the fields that left the core migrated, dropped or refused."""
+    out = []
+    for item in raw:
+        key, eq, value = item.partition("=") if isinstance(item, str) else (item, "", "")
+        if eq and key.strip().startswith("model."):
+            item = _model_override(key.strip(), value)   # fields that left the core: migrated or refused
+            if item is None:
+                continue
+        new = renamed_key(key) if eq else None
+        if new is not None:
+            _notice(key.strip(), new, notice)
+            item = f"{new}={value}"
+        name = (new or key).strip()
+        if eq and name.removeprefix("train.") in TRAIN_REMOVED:   # a field that left the core
+            _drop_removed(_nested(name.removeprefix("train."), value))
+            continue
+        out.append(item)
+    return out
+
+
 def upgrade(raw: Any, notice: bool = True) -> Any:
     """A raw config layer with the keys of the earlier release (`RENAMED`) under their new names, before the typed
     load (`loopformer.configio.load_config` calls it on every layer): a dict (a YAML file, a stored config, a base)
@@ -363,19 +399,7 @@ def upgrade(raw: Any, notice: bool = True) -> Any:
     overrides has its keys renamed, in place, so the later of an old and a new key still wins. `notice`: one line on
     stderr per old key (once per process); a run folder's stored config is read without it."""
     if isinstance(raw, list):
-        out = []
-        for item in raw:
-            key, eq, value = item.partition("=") if isinstance(item, str) else (item, "", "")
-            if eq and key.strip().startswith("model."):
-                item = _model_override(key.strip(), value)   # fields that left the core: migrated or refused
-                if item is None:
-                    continue
-            new = renamed_key(key) if eq else None
-            if new is not None:
-                _notice(key.strip(), new, notice)
-                item = f"{new}={value}"
-            out.append(item)
-        return out
+        return _upgrade_overrides(raw, notice)
     if not isinstance(raw, dict):
         return raw
     if isinstance(raw.get("model"), dict):
@@ -397,6 +421,8 @@ def upgrade(raw: Any, notice: bool = True) -> Any:
             train[section] = {**(sec or {}), name: train.pop(old)}
             _notice(f"train.{old}", f"train.{section}.{name}", notice)
         raw = {**raw, "train": train}
+    if isinstance(raw.get("train"), dict):
+        raw = {**raw, "train": _drop_removed(raw["train"])}
     stages = raw.get("stages")
     if isinstance(stages, list) and any(isinstance(st, dict) and isinstance(st.get("set"), dict)
                                         and any(renamed_key(k) for k in st["set"] if isinstance(k, str))
@@ -487,9 +513,9 @@ class RunConfig:
                   "and the loop curriculum (random loops on top of the rule: train.loops.jitter)")
             _need(m.supervision_steps == 1 and m.solver == "unroll",
                   "model.loop_rule runs each row its own loops: it needs supervision_steps = 1 and solver=unroll")
-            _need(loss.fixed_point == 0 and loss.consistency == 0 and not gate_loss,
-                  "model.loop_rule scores each row after its own loops: train.losses.fixed_point, "
-                  "train.losses.consistency and an exit gate's loss are not available with it")
+            _need(loss.fixed_point == 0 and not gate_loss,
+                  "model.loop_rule scores each row after its own loops: train.losses.fixed_point and an exit gate's "
+                  "loss are not available with it")
         else:
             _need(loops.jitter == 0, "train.loops.jitter adds loops to a loop rule's: set model.loop_rule")
         if sel.keep_best_depth == "trained":
@@ -501,8 +527,8 @@ class RunConfig:
                   "train.select.keep_best selects among the periodic evaluations: set train.eval_every")
             _need(tr.system.parallel != "fsdp",
                   "train.select.keep_best keeps a full copy of the weights: not with train.system.parallel=fsdp")
-        if (loss.consistency > 0 or loss.fixed_point > 0) and m.supervision_steps != 1:
-            raise ValueError("train.losses.consistency and train.losses.fixed_point need model.supervision_steps = 1")
+        if loss.fixed_point > 0 and m.supervision_steps != 1:
+            raise ValueError("train.losses.fixed_point needs model.supervision_steps = 1")
         if loss.loops == "window":
             _need(loss.window <= m.loops, f"train.losses.window={loss.window} exceeds model.loops={m.loops}")
 

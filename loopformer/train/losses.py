@@ -23,21 +23,23 @@ Exit gate (a model with `exit_gate`, `loopformer.model.halting.ExitGate`): `exit
 A bidirectional model's gate decides per row (its logit: the mean over the supervised positions), a causal model's
 per token. The gate reads the hidden states detached: its loss trains the gate only, never the trunk (with the
 exit-distribution loss the trunk still learns from the per-loop task losses that the gate weights).
-Elastic depth (`train.loops.sample`, `elastic_losses`): `consistency_loss` ties the read-out at R to a
-stop-gradient read-out at a larger budget, `fixed_point_loss` keeps loops past R from moving the state
-(docs/elastic-depth.md).
-Stability (`train.losses.jacobian`, `jacobian_loss`): a penalty on the loop map's mean squared singular value at the
-final state, which keeps the map from expanding (docs/stability.md).
+Elastic depth and holding past r (`elastic_losses`): `fixed_point_loss` keeps loops past R from moving the state
+(`train.losses.fixed_point`; docs/elastic-depth.md, the circuit's settle recipe).
+One supervision step's loss, what the trainer backpropagates, is `step_loss`: the task loss scaled to the global
+batch's mean, the fixed-point loss and the exit gate's loss, summed in one place; its micro-batch is a `MicroBatch`.
 Shapes: R loops, B batch, T length, C classes, n read positions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loopformer.errors import UserError
 from loopformer.model.halting import row_mean
@@ -45,7 +47,6 @@ from loopformer.model.looped import LoopOutput
 from loopformer.model.options import LoopOptions
 from loopformer.tasks.base import IGNORE
 from loopformer.tasks.common import loop_steps
-from loopformer.train.compiling import eager
 from loopformer.train.config import LossConfig, TrainConfig
 
 
@@ -95,17 +96,15 @@ def loss_loops(cfg: LossConfig, loops: int) -> int | None:
     return min(cfg.window, loops)
 
 
-def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int, schedule: int | None = None,
-                 per_row: bool = False) -> torch.Tensor:
+def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int, per_row: bool = False) -> torch.Tensor:
     """The targets of the last `n_read` of `loops` read-outs from a task's intermediate states: [n_read,B,T] from
-    step_targets [B,K,T], loop t scored against step j(t) (`loop_steps`) of a run of `loops` loops — or, with
-    `schedule` (a curriculum's "prefix" targets), of a run of `schedule` >= loops loops, so a shorter step trains
-    the first loops of the full run on the same targets. `per_row` (a loop rule: each row runs its own T(n) loops,
+    step_targets [B,K,T], loop t scored against step j(t) (`loop_steps`) of a run of `loops` loops (a curriculum's
+    shorter steps spread the K steps over their loops). `per_row` (a loop rule: each row runs its own T(n) loops,
     at least its own steps): loop t is step min(t, K) whatever the batch's largest loop count — the steps are never
     spread over fewer loops, since a batch of short rows (a length curriculum) runs fewer loops than the K steps of
     the longest row, and each row's step_targets hold its final state after its own steps."""
     K = step_targets.shape[1]
-    full = loop_steps(max(loops, schedule or 0, K if per_row else 0), K)[:loops]
+    full = loop_steps(max(loops, K if per_row else 0), K)[:loops]
     j = torch.as_tensor(full[loops - n_read:] - 1, device=step_targets.device)
     return step_targets.index_select(1, j).transpose(0, 1)
 
@@ -239,19 +238,6 @@ def exit_loss(cfg: LossConfig, all_logits: torch.Tensor, all_stop: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------------- elastic depth
-def consistency_loss(student: torch.Tensor, teacher: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Summed disagreement of read-outs [..., C] with a stop-gradient target at the positions `keep` [...] (bool):
-    KL(softmax(teacher) || softmax(student)) per position for logits, the squared error for a regression read-out
-    (C = 1)."""
-    teacher = teacher.detach()
-    if student.shape[-1] == 1:
-        d = (student - teacher).square().squeeze(-1)
-    else:
-        d = F.kl_div(F.log_softmax(student.float(), -1), F.log_softmax(teacher.float(), -1), reduction="none",
-                     log_target=True).sum(-1)
-    return (d * keep).sum()
-
-
 def fixed_point_loss(h_next: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """Summed relative movement of the state past the budget, ||h_next − sg h||² / ||sg h||² per position
     ([B,T,D] -> a scalar, summed over the B·T positions)."""
@@ -259,56 +245,69 @@ def fixed_point_loss(h_next: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return ((h_next - h).square().sum(-1) / h.square().sum(-1).clamp_min(1e-12)).sum()
 
 
-def elastic_losses(model: torch.nn.Module, tc: TrainConfig, final: int, mb: dict[str, torch.Tensor],
-                   out: LoopOutput, R: int, scale: float) -> torch.Tensor | float:
-    """The consistency and fixed-point losses of one micro-batch `mb` whose step ran R loops
-    (`train.losses.consistency`, `train.losses.fixed_point`; 0 when both are off): the final read-out at R against a
-    stop-gradient read-out at budget min(2R, loops.max) or loops.max (`consistency_budget`; a budget per row: each row's
-    own), scaled like the task loss (`scale`: processes / supervised positions); the state after fixed_point_loops more
-    loops against the state at R, a mean over positions. `final`: the model's loops (loops.max's default). The extra
-    forwards run on `model`, the raw model (DDP reduces their gradients with the main forward's)."""
-    total, lc = 0.0, tc.losses
-    x, at, rows = mb["inputs"], mb.get("read_at"), mb.get("row_loops")
-    if lc.consistency > 0:
-        hi = tc.loops.budget_range(final)[1] if tc.loops.samples_budgets else 2 * R
-        double = lc.consistency_budget == "double"
-        R2 = (min(2 * R, hi) if double else hi) if rows is None else \
-            int(torch.clamp(2 * rows, max=hi).max()) if double else hi
-        if R2 > R or rows is not None:
-            t_rows = None if rows is None else (torch.clamp(2 * rows, max=hi) if double
-                                                else torch.full_like(rows, hi))
-            with torch.no_grad():
-                teacher = model(x, loops=R2, opts=LoopOptions(read_at=at, row_loops=t_rows)).logits
-            keep = supervised(mb["targets"], mb.get("weight"))                              # [B,T]
-            keep = keep.flatten().index_select(0, at) if at is not None else keep
-            total = total + lc.consistency * scale * consistency_loss(out.logits, teacher, keep)
-    if lc.fixed_point > 0:
-        nxt = model(x, loops=lc.fixed_point_loops, opts=LoopOptions(state=out.hidden, loop_offset=R, budget=R)).hidden
-        n_pos = out.hidden.shape[0] * out.hidden.shape[1] * tc.grad_accum
-        total = total + lc.fixed_point * fixed_point_loss(nxt, out.hidden) / n_pos
-    return total
+def elastic_losses(model: torch.nn.Module, tc: TrainConfig, x: torch.Tensor, out: LoopOutput,
+                   R: int) -> torch.Tensor | float:
+    """The fixed-point loss of one micro-batch (inputs x) whose step ran R loops (`train.losses.fixed_point`; 0 when
+    off): the state after fixed_point_loops more loops against the state at R, a mean over positions. The extra
+    forward runs on `model`, the raw model (DDP reduces its gradients with the main forward's)."""
+    lc = tc.losses
+    if lc.fixed_point <= 0:
+        return 0.0
+    nxt = model(x, loops=lc.fixed_point_loops, opts=LoopOptions(state=out.hidden, loop_offset=R, budget=R)).hidden
+    n_pos = out.hidden.shape[0] * out.hidden.shape[1] * tc.grad_accum
+    return lc.fixed_point * fixed_point_loss(nxt, out.hidden) / n_pos
 
 
-# ------------------------------------------------------------------------------------------------- stability
-def jacobian_loss(model: torch.nn.Module, x: torch.Tensor, h: torch.Tensor, R: int) -> torch.Tensor:
-    """The Jacobian penalty (`train.losses.jacobian`): the loop map's mean squared singular value at the final state.
+# ------------------------------------------------------------------------------------------------- one step's loss
+@dataclass
+class MicroBatch:
+    """One micro-batch of a training step as its forward and loss read it (`Trainer.forward_loss`)."""
+    inputs: torch.Tensor                    # [b,T] token ids ([b,T,F] vectors)
+    targets: torch.Tensor                   # [b,T] | [n_read,b,T] per-loop targets
+    weight: torch.Tensor | None             # [b,T] regression weights, else None
+    at: torch.Tensor | None                 # [n] the read positions among the flattened b·T (None: every one)
+    rows: torch.Tensor | None               # [b] a loop count per row, else None
+    loops: int                              # R: the loops of a supervision step (rows of their own: the largest)
+    return_all: bool                        # every loop's read-out (per-loop losses, the exit gate)
+    read_loops: int | None                  # ... of the last read_loops loops only (None: all of them)
+    n_read: int | None                      # read-outs in the task loss (None: the final one)
+    read_only: bool                         # nothing but the loss reads the output: the last loop at `at` only
 
-    With F(h) the state after one more loop from h (loop R, the read-in injected, `LoopOptions(state=h,
-    loop_offset=R)`) and J = ∂F/∂h at h = sg(h_R) [B,T,D], Hutchinson's estimator with one probe ε ~ N(0, I) gives
-    E‖εᵀJ‖² = ‖J‖_F², so ‖εᵀJ‖² / ‖ε‖² estimates ‖J‖_F² / (B·T·D), the mean squared singular value; its gradient
-    (a double backward, `create_graph`) moves the weights so that the loop map contracts there — the Jacobian
-    regularisation of equilibrium models (Bai et al. 2021), aimed at the expanding loop map that makes deep loops
-    fail (docs/stability.md). The extra loop runs eagerly with the attention's plain math kernel (compiled layers and
-the fused attention kernels have no double backward)."""
-    h = h.detach().requires_grad_(True)
-    with eager(model), sdpa_kernel(SDPBackend.MATH):   # the fused attention kernels have no double backward
-        f = model(x, loops=1, opts=LoopOptions(state=h, loop_offset=R, budget=R)).hidden       # [B,T,D]
-    eps = torch.randn_like(f)
-    (vjp,) = torch.autograd.grad(f, h, eps, create_graph=True)                             # εᵀJ: [B,T,D]
-    return vjp.float().square().sum() / eps.float().square().sum()
+
+@dataclass
+class StepScale:
+    """What turns one supervision step's sums into its share of the global batch's mean loss."""
+    task: float                             # processes / (supervised positions × read-outs × supervision steps)
+    gate: float                             # the exit gate's divisor: micro-batches × supervision steps
+    per_loop_gate: bool                     # the exit gate reads every loop (else the step's last)
+
+
+def gate_loss(gate: torch.nn.Module, lc: LossConfig, out: LoopOutput, targets: torch.Tensor,
+              weight: torch.Tensor | None, per_loop: bool, causal: bool) -> torch.Tensor:
+    """The exit gate's loss (`exit_loss`) on one supervision step's output: after every loop (`per_loop`) or after
+    the step. The gate reads, never steers: the hidden states are detached."""
+    stops_, reads = ((gate(out.all_hidden.detach()), out.all_logits) if per_loop            # [R,B,T(,C)]
+                     else (gate(out.hidden.detach())[None], out.logits[None]))             # the step's [1,...]
+    return exit_loss(lc, reads, stops_, targets, weight, causal)
+
+
+def step_loss(task_sum: torch.Tensor, out: LoopOutput, mb: MicroBatch, answers: torch.Tensor, model: torch.nn.Module,
+              tc: TrainConfig, scale: StepScale,
+              autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
+    """The loss one supervision step backpropagates: the task loss `task_sum` (`loss_sum` at the read positions)
+    scaled to the global batch's mean, plus the fixed-point loss (`elastic_losses`, under `autocast` like the
+    forward) and, for a model whose exit gate trains, the gate's loss (`gate_loss`, in full precision) against the
+    answers [b,T]. `model`: the raw model."""
+    with autocast():
+        loss = task_sum * scale.task + elastic_losses(model, tc, mb.inputs, out, mb.loops)
+    gate = getattr(model, "exit_gate", None)
+    if gate is not None and tc.losses.exit_loss_weight > 0:   # a mean over this micro-batch (DDP: over processes)
+        loss = loss + tc.losses.exit_loss_weight / scale.gate * gate_loss(
+            gate, tc.losses, out, answers, mb.weight, scale.per_loop_gate, model.config.causal)
+    return loss
 
 
 __all__ = ["supervised", "supervised_count", "read_positions", "at_read", "loss_loops", "loop_targets",
            "summed_loss", "loss_sum", "per_loop_losses", "per_loop_correct", "halting_target_loss",
-           "exit_distribution", "exit_distribution_loss", "exit_loss", "consistency_loss", "fixed_point_loss",
-           "elastic_losses", "jacobian_loss"]
+           "exit_distribution", "exit_distribution_loss", "exit_loss", "fixed_point_loss", "elastic_losses",
+           "MicroBatch", "StepScale", "gate_loss", "step_loss"]

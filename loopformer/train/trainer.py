@@ -25,7 +25,6 @@ import contextlib
 import math
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -49,7 +48,7 @@ from loopformer.model.lengths import LoopRule, check_covers, jitter
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
 from loopformer.model.memory import check_fits, estimate
 from loopformer.model.options import LoopOptions
-from loopformer.model.recursion import supervision_steps
+from loopformer.model.recursion import step_offset
 from loopformer.sources import DataSource, make_data
 from loopformer.tasks import IGNORE
 from loopformer.train import run
@@ -58,14 +57,14 @@ from loopformer.train.config import RunConfig
 from loopformer.train.distributed import Dist, all_sum, barrier, broadcast_object, gather_objects, setup, teardown
 from loopformer.train.ema import EMA, ShardedEMA
 from loopformer.train.losses import (
+    MicroBatch,
+    StepScale,
     at_read,
-    elastic_losses,
-    exit_loss,
-    jacobian_loss,
     loop_targets,
     loss_loops,
     loss_sum,
     read_positions,
+    step_loss,
     supervised,
     supervised_count,
 )
@@ -302,14 +301,7 @@ class Trainer:
                          max_loops=cfg.eval.max_loops, limit=cfg.eval.n)
         self.autocast, use_scaler = autocast_for(cfg, d.device)
         if cfg.memory_check:    # before anything is allocated: one micro-batch's step on this process's device
-            half = self.autocast is not contextlib.nullcontext
-            hi = max(cfg.model.loops, tc.loops.budget_range(cfg.model.loops)[1] if tc.loops.samples_budgets else 0) \
-                + tc.loops.jitter
-            check_fits(estimate(cfg.model.replace(loops=hi), batch=self.B // (d.world * tc.grad_accum), training=True,
-                                read_outs=loss_loops(tc.losses, hi) or 1, ema=tc.select.ema_decay > 0,
-                                act_bytes=2 if half else 4), d.device,
-                       "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
-                                        "or set model.checkpoint=true")
+            self._check_memory()
         self.model = LoopedTransformer(cfg.model).to(d.device)
         if self.init_from is not None:          # fine-tuning: these weights, a fresh optimiser and schedule
             load_weights(self.model, self.init_from, d.device, start_past=True)
@@ -339,6 +331,26 @@ class Trainer:
         self.compile_s = 0.0                     # seconds of the first compiled step (compilation included)
         self.compile_t0 = 0.0                    # when the compilation under way began
         self.step_now = 0                        # the step under way (0-based)
+        self._start_window()
+        if resume:
+            self._restore()
+
+    def _check_memory(self) -> None:
+        """Refuse, in one line, a step whose estimated memory (one micro-batch at the deepest loop count the run
+        trains) exceeds what this process's device has available."""
+        cfg, d, tc = self.cfg, self.d, self.cfg.train
+        half = self.autocast is not contextlib.nullcontext
+        hi = max(cfg.model.loops, tc.loops.budget_range(cfg.model.loops)[1] if tc.loops.samples_budgets else 0) \
+            + tc.loops.jitter
+        check_fits(estimate(cfg.model.replace(loops=hi), batch=self.B // (d.world * tc.grad_accum), training=True,
+                            read_outs=loss_loops(tc.losses, hi) or 1, ema=tc.select.ema_decay > 0,
+                            act_bytes=2 if half else 4), d.device,
+                   "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
+                                    "or set model.checkpoint=true")
+
+    def _start_window(self) -> None:
+        """The run's outputs, the log window and the latest step's record, empty (`open_log` fills them)."""
+        cfg, d, tc = self.cfg, self.d, self.cfg.train
         # the run's outputs (`open_log`): metrics log, progress bar, training time (restored on resume)
         self.log: MetricsLog | None = None
         self.bar: tqdm | None = None
@@ -359,8 +371,6 @@ class Trainer:
         self.loops = cfg.model.loops
         self.last_micro: dict[str, torch.Tensor] = {}
         self.gnorm: torch.Tensor | None = None
-        if resume:
-            self._restore()
 
     def _restore(self) -> None:
         """Weights, optimiser, scaler, step and this process's RNG state from the run's checkpoint (a sharded
@@ -421,17 +431,16 @@ class Trainer:
             inductor.compile_threads = self.cfg.threads  # the compiler's worker pool keeps to the thread budget
         self.compile_s = 0.0
 
-    def forward_loss(self, x: torch.Tensor, state: torch.Tensor | None, offset: int, at: torch.Tensor | None,
-                     targets: torch.Tensor, weight: torch.Tensor | None, R: int, return_all: bool,
-                     read_loops: int | None, n_read: int | None, row_loops: torch.Tensor | None = None,
-                     read_only: bool = False) -> tuple[torch.Tensor, LoopOutput]:
-        """`_forward_loss`, compiled at the model's final loop count when `compiles` says so (a loop curriculum's
-        shorter steps stay eager: each loop count would be a graph of its own). With train.system.compile=auto a
-        compilation that fails falls back to eager with one warning."""
-        args = (x, state, offset, at, targets, weight, R, return_all, read_loops, n_read, row_loops, read_only)
+    def forward_loss(self, mb: MicroBatch, state: torch.Tensor | None, offset: int) -> tuple[torch.Tensor, LoopOutput]:
+        """One supervision step of micro-batch `mb` from `state` (None: the read-in) at loop offset `offset`: the
+        forward and its summed task loss (`_forward_loss`), compiled at the model's final loop count when `compiles`
+        says so (a loop curriculum's shorter steps stay eager: each loop count would be a graph of its own). With
+        train.system.compile=auto a compilation that fails falls back to eager with one warning."""
+        args = (mb.inputs, state, offset, mb.at, mb.targets, mb.weight, mb.loops, mb.return_all, mb.read_loops,
+                mb.n_read, mb.rows, mb.read_only)
         if self.regional:                        # the block's layers compiled: every loop count runs them
             fn = self._forward_loss
-        elif self.compiled is None or R != self.cfg.model.loops:
+        elif self.compiled is None or mb.loops != self.cfg.model.loops:
             return self._forward_loss(*args)
         else:
             fn = self.compiled
@@ -492,7 +501,7 @@ class Trainer:
                     "versions": run.package_versions(), "command": sys.argv, "world_size": d.world,
                     "device": str(d.device), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "resumed_from_step": self.start if self.resume else None, "total_steps": self.total,
-                    "params": unwrap(self.model).num_params(), "curriculum_reaches_loops_at": reach,
+                    "params": self.model.num_params(), "curriculum_reaches_loops_at": reach,
                     "init_from": None if self.init_from is None else str(self.init_from.resolve())}
             run.write_start(self.run_dir, cfg, info)
             if reach is not None and reach >= self.total and not self.resume:
@@ -562,64 +571,51 @@ class Trainer:
                     m["read_at"] = at
         return [_to(m, d.device) for m in fetched], counts
 
-    def _micro_step(self, mb: dict[str, torch.Tensor], count: int, global_count: float, n_micro: int,
-                    last: bool) -> None:
-        """Forward and backward of one micro-batch over its N supervision steps (`supervision_steps`: step j starts
-        from step j−1's detached state, one step in memory), each with its loss scaled to the global batch's mean;
-        DDP synchronises the gradients on the `last` micro-batch's last step. Sums go into the log window."""
-        cfg, d, tc = self.cfg, self.d, self.cfg.train
-        N, R = cfg.model.supervision_steps, self.loops          # deep supervision: N steps, each with its loss
-        n_read = loss_loops(tc.losses, R)                               # read-outs in the loss (None: the last one)
-        k = 1 if n_read is None else n_read
-        per_loop_gate = self.trains_gate and N == 1              # the exit gate reads every loop (else every step)
-        return_all, read_loops = n_read is not None or per_loop_gate, None if per_loop_gate else n_read
-        # nothing but the loss reads the final state: no later supervision step, gate, fixed-point or Jacobian loss
-        read_only = N == 1 and not self.trains_gate and tc.losses.fixed_point == 0 and tc.losses.jacobian == 0
-        at = mb.get("read_at")                                   # [n] | None: every position
-        targets = mb["targets"] if "step_targets" not in mb else \
-            loop_targets(mb["step_targets"], R, n_read,                          # [n_read,B,T] per-loop targets
-                         cfg.model.loops if tc.loops.curriculum_targets == "prefix" else None,
-                         per_row=not self.rule.fixed)
-        rows = mb.get("row_loops")                                              # [b] | None
-        R_mb = R if rows is None else int(rows.max())
+    def _micro_batch(self, batch: dict[str, torch.Tensor]) -> MicroBatch:
+        """What the forward and the loss of `batch` (one micro-batch on the device) read: its loop count, the
+        read-outs in the loss, per-loop targets from the task's intermediate states, the read positions."""
+        cfg, lc = self.cfg, self.cfg.train.losses
+        N, R = cfg.model.supervision_steps, self.loops
+        n_read = loss_loops(lc, R)                                      # read-outs in the loss (None: the last)
+        per_loop_gate = self.trains_gate and N == 1                      # the exit gate reads every loop
+        rows = batch.get("row_loops")                                   # [b] | None
+        targets = batch["targets"] if "step_targets" not in batch else \
+            loop_targets(batch["step_targets"], R, n_read, per_row=not self.rule.fixed)   # [n_read,b,T]
+        return MicroBatch(inputs=batch["inputs"], targets=targets, weight=batch.get("weight"),
+                          at=batch.get("read_at"), rows=rows, loops=R if rows is None else int(rows.max()),
+                          return_all=n_read is not None or per_loop_gate,
+                          read_loops=None if per_loop_gate else n_read, n_read=n_read,
+                          # nothing but the loss reads the final state: no later step, gate or fixed-point loss
+                          read_only=N == 1 and not self.trains_gate and lc.fixed_point == 0)
 
-        def run_step(j: int, state: torch.Tensor | None, offset: int) -> LoopOutput:
-            sync = last and j == N - 1
-            with gradient_sync(self.net, sync or not d.active):
+    def _micro_step(self, batch: dict[str, torch.Tensor], count: int, global_count: float, n_micro: int,
+                    last: bool) -> None:
+        """Forward and backward of one micro-batch over its N supervision steps (deep supervision: step j starts
+        from step j−1's detached state, at loop offset `step_offset`; one step in memory), each with its loss
+        (`step_loss`) scaled to the global batch's mean; DDP synchronises the gradients on the `last` micro-batch's
+        last step. Sums go into the log window."""
+        cfg, d = self.cfg, self.d
+        mb, N = self._micro_batch(batch), cfg.model.supervision_steps
+        k = 1 if mb.n_read is None else mb.n_read
+        scale = StepScale(task=d.world / (global_count * k * N), gate=n_micro * N,
+                          per_loop_gate=self.trains_gate and N == 1)
+        state: torch.Tensor | None = None
+        for j in range(N):                                   # h <- the step's loops from the previous step's state
+            with gradient_sync(self.net, (last and j == N - 1) or not d.active):
                 with self.autocast():
-                    s, out = self.forward_loss(mb["inputs"], state, offset, at, targets, mb.get("weight"), R_mb,
-                                               return_all, read_loops, n_read, rows, read_only)
-                    loss = s * (d.world / (global_count * k * N)) + elastic_losses(
-                        self.model, tc, cfg.model.loops, mb, out, R_mb, d.world / global_count)
-                    if tc.losses.jacobian > 0:           # the loop map kept contracting (a mean over micro-batches)
-                        loss = loss + tc.losses.jacobian * jacobian_loss(self.model, mb["inputs"], out.hidden, R_mb) \
-                            / (tc.grad_accum * N)
-                if self.trains_gate:   # a mean over this micro-batch: DDP averages it over processes
-                    loss = loss + self._gate_loss(mb, out, per_loop_gate, n_micro)
+                    s, out = self.forward_loss(mb, state, step_offset(cfg.model.step_timestep, j, mb.loops))
+                loss = step_loss(s, out, mb, batch["targets"], self.model, cfg.train, scale, self.autocast)
                 if loss.requires_grad:           # train.optim.freeze: a loss that reads no trained parameter has none
                     (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             with torch.no_grad():
                 self.acc_loss += s.detach().to(self.acc_dtype) / (k * N)
-            return out
-
-        # each step's backward runs inside it; the last step's output is kept (one step in memory)
-        out = deque(supervision_steps(self.net, mb["inputs"], N, R_mb, run_step=run_step), maxlen=1)[0]
+            state = out.hidden.detach()
         with torch.no_grad():
             if self.data.classifies:
-                logits, targets, _ = at_read(at, out.logits, mb["targets"])
+                logits, targets, _ = at_read(mb.at, out.logits, batch["targets"])
                 self.acc_correct += ((logits.argmax(-1) == targets) & supervised(targets)).sum().to(self.acc_dtype)
             self.acc_count += count
-            self.acc_tokens += mb["inputs"].shape[0] * mb["inputs"].shape[1]
-
-    def _gate_loss(self, mb: dict[str, torch.Tensor], out: LoopOutput, per_loop: bool, n_micro: int) -> torch.Tensor:
-        """The exit gate's weighted loss on one supervision step's output: after every loop (`per_loop`) or after
-        the step. The gate reads, never steers: the hidden states are detached."""
-        lc, N = self.cfg.train.losses, self.cfg.model.supervision_steps
-        gate = unwrap(self.model).exit_gate
-        stops_, reads = ((gate(out.all_hidden.detach()), out.all_logits) if per_loop            # [R,B,T(,C)]
-                         else (gate(out.hidden.detach())[None], out.logits[None]))             # the step's [1,...]
-        return lc.exit_loss_weight / (n_micro * N) * exit_loss(lc, reads, stops_, mb["targets"], mb.get("weight"),
-                                                               self.cfg.model.causal)
+            self.acc_tokens += mb.inputs.shape[0] * mb.inputs.shape[1]
 
     def _update(self, step: int) -> None:
         """Unscale, record the gradient norms (dynamics steps), clip the trunk's and the exit gate's gradients
@@ -744,7 +740,7 @@ class Trainer:
         fine-tuning run that never does better on the validation split finishes with the weights it started from."""
         if self.keeper is None or not self.cfg.train.init_from or not self.d.main:
             return
-        model = unwrap(self.model)
+        model = self.model
         with eager(model):
             self.score_validation(model, 0)
 
@@ -753,7 +749,7 @@ class Trainer:
         note the last weights' test metrics and load the kept weights for the final evaluation and checkpoint."""
         if self.keeper is None or not self.d.main:
             return
-        model = unwrap(self.model)
+        model = self.model
         with eager(model):
             self.score_validation(model, step)
             if self.keeper.step != step:
@@ -820,7 +816,7 @@ class Trainer:
             results = run.write_results(self.run_dir, {
                 "name": cfg.name, "task": self.data.describe(), "variant": cfg.model.variant,
                 "loops": cfg.model.loops, "n_layers": cfg.model.n_layers, "timestep": cfg.model.timestep,
-                "d_model": cfg.model.d_model, "params": unwrap(self.model).num_params(), "steps": self.total,
+                "d_model": cfg.model.d_model, "params": self.model.num_params(), "steps": self.total,
                 "batch_size": self.B, "train_time_s": self.train_time,
                 "compiled": self.compiled is not None or self.regional,
                 "compile_scope": "block" if self.regional else "step" if self.compiled is not None else None,
