@@ -9,6 +9,9 @@
 #   bash studies/transfer/transfer_study.sh baseline circuit   # the shipped recipes on the screen settings
 #   bash studies/transfer/transfer_study.sh baseline pointer
 #   bash studies/transfer/transfer_study.sh heldout circuit    # ... on the held-out settings
+#   TAG=state-norm EXTRA="model.extensions={state_norm:{}}" bash studies/transfer/transfer_study.sh screen circuit
+#                                                              # a candidate recipe on the screen settings
+#   ONLY=w10-cs1-r32 SEEDS=1 VARIANTS=true ...                 # ... on some settings, seeds and variants only
 #   bash studies/transfer/transfer_study.sh collect            # one record per finished cell into
 #                                                              #   studies/transfer/results.json, summary.md
 #
@@ -20,6 +23,8 @@ cd "$(dirname "$0")/../.."
 STUDY=${STUDY:-sweeps/transfer}
 . scripts/study_lib.sh
 SEEDS=${SEEDS:-0,1}
+VARIANTS=${VARIANTS:-false,true}   # model.timestep: looped, TMLT
+ONLY=${ONLY:-}                     # setting names (space-separated): only these
 
 # name|config|overrides (r is model.loops; the circuit's depth K is r: one layer per loop)
 CIRCUIT=(
@@ -49,10 +54,11 @@ run() {
   shift
   for spec in "$@"; do
     IFS='|' read -r name config overrides <<<"$spec"
+    [ -z "$ONLY" ] || [[ " $ONLY " == *" $name "* ]] || continue
     r=${overrides##*model.loops=}
     # shellcheck disable=SC2086
     "$LF" sweep "configs/cpu/$config.yaml" $overrides eval.max_loops=$((4 * r)) ${EXTRA:-} \
-      --grid seed="$SEEDS" model.timestep=false,true --out "$STUDY/$stage/$name" "${SW[@]}"
+      --grid seed="$SEEDS" model.timestep="$VARIANTS" --out "$STUDY/$stage/$name" "${SW[@]}"
   done
 }
 
@@ -71,6 +77,8 @@ tag=${TAG:+-$TAG}
 case "$stage" in
   baseline) mapfile -t specs < <(settings screen "${2:?task: circuit or pointer}"); run "baseline$tag" "${specs[@]}" ;;
   heldout) mapfile -t specs < <(settings heldout "${2:?task: circuit or pointer}"); run "heldout$tag" "${specs[@]}" ;;
+  screen) [ -n "${TAG:-}" ] && [ -n "${EXTRA:-}" ] || { echo "screen needs TAG and EXTRA" >&2; exit 2; }
+    mapfile -t specs < <(settings screen "${2:?task: circuit or pointer}"); run "screen$tag" "${specs[@]}" ;;
   collect) python3 studies/transfer/transfer_summary.py "$STUDY" studies/transfer ;;   # results.json, summary.md
-  *) sed -n '2,18p' "$0"; exit 2 ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac
