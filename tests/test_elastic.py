@@ -201,6 +201,27 @@ def test_loops_hold_draws_r_to_f_r_after_the_curriculum_and_follows_r(tmp_path):
     assert res["loops_sample"]["kind"] == "hold" and res["loops_sample"]["range"] == [3, 6]
 
 
+def test_the_hold_ramp_grows_the_draws_upper_bound_linearly():
+    """train.loops.hold_ramp=n: from the first draw (after the curriculum, or at sample_from) the upper bound grows
+    from r to ⌈f·r⌉ over n steps — its draws are the plain hold's draws of a range that is the ramp's at that step;
+    past the ramp they are the plain hold's."""
+    cfg = load_run_config(None, [*TINY, "model.loops=8", "train.loops.start=4", "train.loops.every=10",
+                                 "train.loops.increment=2", "train.loops.hold=4", "train.loops.hold_ramp=100"])
+    ramp, first = cfg.train.loops, 20                               # the curriculum reaches r = 8 at step 20
+    plain = load_run_config(None, [*TINY, "model.loops=8", "train.loops.start=4", "train.loops.every=10",
+                                   "train.loops.increment=2", "train.loops.hold=4"]).train.loops
+    assert [int(sample_loops(ramp, s, 8, 0)[0]) for s in range(first)] == \
+        [int(sample_loops(plain, s, 8, 0)[0]) for s in range(first)]                   # the curriculum alike
+    for step in (first, first + 1, first + 50, first + 99, first + 100, first + 400):
+        hi = 8 + 24 * min(step - first, 100) // 100                                  # r .. 32 over 100 steps
+        got = sample_loops(ramp, step, 8, 0, rows=256)
+        assert got.min() >= 8 and got.max() <= hi and (hi == 8 or got.max() > 8)
+        rng = np.random.default_rng([0, step, 0x100B5])
+        assert np.array_equal(got, rng.integers(8, hi + 1, size=256))                 # the same generator
+    with pytest.raises(UserError, match="hold_ramp ramps the hold"):
+        load_run_config(None, [*TINY, "train.loops.hold_ramp=10"])
+
+
 @pytest.mark.parametrize("extra,match", [
     (["train.loops.hold=1"], "loops.hold must be 0"),
     (["train.loops.hold=2", "train.loops.sample_from=-1"], "loops.sample_from must be >= 0"),

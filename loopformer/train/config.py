@@ -113,6 +113,8 @@ class LoopSampling:
                                       # step without one), each step draws its loop count uniformly from r..⌈f·r⌉
                                       # and the answer is trained to hold past r (docs/stability.md); the same as
                                       # sample=uniform min=r max=⌈f·r⌉, but following r; 0: off
+    hold_ramp: int = 0                # with hold: the draws' upper bound grows linearly from r to ⌈f·r⌉ over this many
+                                      # steps from the first draw (no cliff where the draws begin); 0: at once
     sample_from: int = 0              # the first step whose loop count is drawn (sample, hold); the steps before it
                                       # run model.loops (or the curriculum): learn at r, then draw
     sample_per: str = "batch"         # "batch": one R per step | "row": one per row (each row stops after its own
@@ -133,6 +135,9 @@ class LoopSampling:
         _need(self.hold == 0 or self.sample == "fixed",
               "train.loops.hold draws the loop counts r..f·r itself: leave train.loops.sample at fixed")
         _need(0 <= self.jitter <= 1024, f"train.loops.jitter must be in 0..1024 (got {self.jitter})")
+        _need(self.hold_ramp >= 0, f"train.loops.hold_ramp must be >= 0 (got {self.hold_ramp})")
+        _need(self.hold_ramp == 0 or self.hold > 0,
+              "train.loops.hold_ramp ramps the hold's draws: set train.loops.hold")
 
     @property
     def samples_budgets(self) -> bool:

@@ -64,11 +64,15 @@ def sample_loops(cfg: LoopSampling, step: int, final: int, seed: int, rows: int 
     (seed, step) — the same draw on every process and after a resume. "fixed": `loops_at` for every row. With a loop
     curriculum as well (`start`), the curriculum's count until it reaches `final`, the draws from then on
     (e.g. budgets past r once the r loops are learned, so that the answer is trained to hold past them); before step
-    `sample_from`, never a draw."""
+    `sample_from`, never a draw. With `hold_ramp` the hold's upper bound grows linearly from r to ⌈f·r⌉ over that
+    many steps from the first draw."""
     R = loops_at(cfg, step, final)
     if not cfg.samples_budgets or R < final or step < cfg.sample_from:
         return np.full(rows, R, dtype=np.int64)
     lo, hi = cfg.budget_range(final)
+    if cfg.hold_ramp:                    # the ramp: r .. r + (⌈f·r⌉ − r) · (steps drawn so far) / hold_ramp
+        first = max(cfg.sample_from, curriculum_end(cfg, final) or 0)
+        hi = lo + (hi - lo) * min(step - first, cfg.hold_ramp) // cfg.hold_ramp
     rng = np.random.default_rng([seed, step, 0x100B5])
     if cfg.sample == "uniform" or cfg.hold:
         return rng.integers(lo, hi + 1, size=rows)
