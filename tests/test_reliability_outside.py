@@ -198,3 +198,50 @@ def test_every_figure_is_written_through_the_atomic_writer():
     direct = [str(p.relative_to(root)) for p in root.rglob("*.py")
               if p.name != "fileio.py" and ".savefig(" in p.read_text(encoding="utf-8")]
     assert direct == []
+
+
+# ------------------------------------------------------------------------------------------------ reproduce --readme
+BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
+
+
+@pytest.mark.parametrize("content,needle", [
+    (f"# A\n{END}\nmine\n{BEGIN}\nrest\n".encode(), "marker comes before"),
+    (f"# A\n{BEGIN}\n{BEGIN}\n{END}\n".encode(), "holds 2 and 1"),
+    (b"# A\nno markers\n", "block to fill"),
+    (f"# A \xff\n{BEGIN}\n{END}\n".encode("latin-1"), "not UTF-8"),
+    (None, "no such file")])
+def test_a_readme_that_cannot_be_filled_is_refused_before_any_run(tmp_path, capsys, monkeypatch, content, needle):
+    import loopformer.experiments.reproduce as rep
+
+    monkeypatch.setattr(rep, "run_specs", lambda *a, **k: pytest.fail("trained"))
+    readme = tmp_path / "README.md"
+    if content is not None:
+        readme.write_bytes(content)
+    before = digest(tmp_path)
+    assert main(["reproduce", "--registry", str(registry(tmp_path, None)), "--out", str(tmp_path / "o"),
+                 "--readme", str(readme), "--quiet"]) == 2
+    error_line(capsys, needle)
+    (tmp_path / "claims.yaml").unlink()
+    assert not (tmp_path / "o").exists() and digest(tmp_path) == before
+
+
+def test_a_readme_is_filled_once_between_its_markers(tmp_path, monkeypatch):
+    import loopformer.experiments.reproduce as rep
+
+    readme = tmp_path / "README.md"
+    readme.write_bytes(f"# A\r\nbefore\r\n{BEGIN}\nold table\n{END}\r\nafter é\r\n".encode())
+    rep.update_readme(readme, [], tmp_path / "o" / "report.md", "loopformer reproduce")
+    text = readme.read_bytes().decode()
+    assert text.startswith("# A\r\nbefore\r\n" + BEGIN) and text.endswith(END + "\r\nafter é\r\n")
+    assert text.count(BEGIN) == 1 and "old table" not in text and "loopformer reproduce" in text
+
+
+def test_paper_tables_takes_no_other_option(capsys):
+    from loopformer.cli import build_parser
+    from loopformer.experiments.commands import REPRODUCE_DEFAULTS
+
+    args = vars(build_parser().parse_args(["reproduce"]))
+    assert {k: v for k, v in args.items() if k not in ("func", "paper_tables", "command")} == REPRODUCE_DEFAULTS
+    assert main(["reproduce", "--paper-tables", "--out", "x", "--quick"]) == 2
+    error_line(capsys, "takes no other option (got --quick, --out)")
+    assert main(["reproduce", "--paper-tables"]) == 0

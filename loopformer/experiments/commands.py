@@ -62,9 +62,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# reproduce's options and their defaults: --paper-tables prints a table and reads none of them
+REPRODUCE_DEFAULTS = {"claims": None, "quick": False, "seeds": None, "max_seeds": DEFAULT_MAX_SEEDS, "jobs": 2,
+                      "threads": 1, "out": "reproduce", "scale": "cpu", "registry": None, "dry_run": False,
+                      "export": None, "readme": None, "stale": "stop", "quiet": False}
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     if args.paper_tables:            # the paper-scale plan of Tables 2-4, nothing run
         from loopformer.experiments.paper import paper_table
+        given = ["--" + k.replace("_", "-") for k, v in REPRODUCE_DEFAULTS.items() if getattr(args, k) != v]
+        if given:
+            raise UserError(f"--paper-tables prints the paper-scale plan and takes no other option (got "
+                            f"{', '.join(given)})")
         print(paper_table())
         return 0
     check_runs_folder(args.out)

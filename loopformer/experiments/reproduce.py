@@ -50,7 +50,7 @@ from loopformer.experiments.claims import (
 )
 from loopformer.experiments.stale import POLICIES, resolve_stale
 from loopformer.experiments.sweep import RunSpec, run_size, run_specs
-from loopformer.fileio import check_owned_folder, write_figure, write_json, write_text
+from loopformer.fileio import check_owned_folder, write_figure, write_json, write_text, write_with
 from loopformer.model.flops import format_flops, forward_flops, layer_applications
 from loopformer.train.config import load_run_config
 from loopformer.train.run import git_commit, read_results, stored_config
@@ -497,16 +497,40 @@ def write_reproduce_report(judged: list[dict], out: Path, command: str, scale: s
     return {"report": md, "json": js}
 
 
+def readme_block(readme: Path) -> tuple[str, int, int]:
+    """The README's text and where its reproduce block starts and ends — checked before any run: a README that is
+    missing, a link, not UTF-8, or without exactly one begin marker followed by one end marker is a one-line
+    UserError (a block between reversed markers would be written twice)."""
+    readme = Path(readme)
+    if readme.is_symlink() or not readme.is_file():
+        raise UserError(f"--readme {readme}: no such file" if not os.path.lexists(readme) else
+                        f"--readme {readme} is not a regular file (a folder or a link); give the file itself")
+    try:
+        text = readme.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--readme {readme} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"--readme {readme}: {exc.strerror or exc}") from None
+    begins, ends = text.count(README_BEGIN), text.count(README_END)
+    if not begins or not ends:
+        raise UserError(f"{readme} has no {README_BEGIN} … {README_END} block to fill")
+    if begins != 1 or ends != 1:
+        raise UserError(f"--readme {readme} must hold one {README_BEGIN} and one {README_END} marker (it holds "
+                        f"{begins} and {ends})")
+    start, end = text.index(README_BEGIN), text.index(README_END)
+    if end < start:
+        raise UserError(f"--readme {readme}: the {README_END} marker comes before {README_BEGIN}")
+    return text, start, end + len(README_END)
+
+
 def update_readme(readme: Path, judged: list[dict], report: Path, command: str) -> None:
     """Replace the README's block between the reproduce markers with the summary table (the one source of the
-    README's claim table)."""
-    text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        raise UserError(f"{readme} has no {README_BEGIN} … {README_END} block to fill")
+    README's claim table); the README is checked again (`readme_block`) and written atomically."""
+    text, start, end = readme_block(readme)
     rel = os.path.relpath(report, readme.parent)
     block = f"{README_BEGIN}\n`{command}` ([report]({rel})):\n\n{summary_table(judged, compact=True)}\n{README_END}"
-    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
-    write_text(readme, text[:start] + block + text[end:])
+    new = text[:start] + block + text[end:]
+    write_with(readme, lambda tmp: tmp.write_bytes(new.encode("utf-8")))
 
 
 def export(out: Path, dest: Path) -> Path:
@@ -630,6 +654,8 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
         raise UserError(f"--max-seeds must be in 1..{MAX_SEEDS} and at least --seeds (got {max_seeds})")
     if export_to:    # before any run: the export folder must be new, empty or an earlier export
         check_owned_folder(export_to, EXPORTED, "report.json", "reproduce --export")
+    if readme:       # before any run: a README that cannot be filled is known now
+        readme_block(Path(readme))
     if jobs < 1 or threads < 0:
         raise UserError("--jobs must be >= 1 and --threads >= 0")
     reg = load_registry(registry)
@@ -672,5 +698,5 @@ def reproduce(claim_ids: list[str] | None = None, *, quick: bool = False, seeds:
     return {"judged": judged, "files": files, "estimate": est, "ran": True}
 
 
-__all__ = ["reproduce", "plan", "estimate", "judge", "summary_table", "update_readme", "export", "PlannedRun",
-           "arm_compute", "plan_compute_line"]
+__all__ = ["reproduce", "plan", "estimate", "judge", "summary_table", "update_readme", "readme_block", "export",
+           "PlannedRun", "arm_compute", "plan_compute_line"]
