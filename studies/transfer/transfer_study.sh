@@ -9,7 +9,7 @@
 #   bash studies/transfer/transfer_study.sh baseline circuit   # the shipped recipes on the screen settings
 #   bash studies/transfer/transfer_study.sh baseline pointer
 #   bash studies/transfer/transfer_study.sh heldout circuit    # ... on the held-out settings
-#   TAG=state-norm EXTRA="model.extensions={state_norm:{}}" bash studies/transfer/transfer_study.sh screen circuit
+#   TAG=state-norm EXTRA="model.extensions.state_norm={}" bash studies/transfer/transfer_study.sh screen circuit
 #                                                              # a candidate recipe on the screen settings
 #   ONLY=w10-cs1-r32 SEEDS=1 VARIANTS=true ...                 # ... on some settings, seeds and variants only
 #   bash studies/transfer/transfer_study.sh collect            # one record per finished cell into
