@@ -6,8 +6,10 @@
     injection     the read-in embedding e is added to the hidden state before every loop after the first
     carried state forward(x, opts=LoopOptions(state=h)) starts the loops from a given hidden state h (+ e with
                   injection) instead of e: one supervision step of deep supervision (`loopformer.model.recursion`)
-    stabilisers   the start state, state noise in training, the branches' scale, sandwich norms
-                  (`loopformer.model.stability`): off by default
+    the step      `step`: h <- TF(h + e, t), written once — forward, the exits and the fixed-point mode call it
+    stabilisers   the start state and state noise in training (`loopformer.model.stability`): off by default
+    extensions    experiments on the loop (`loopformer.model.extensions`: a start state, a change of the state after
+                  each loop, a module on the branches' outputs), named in `ModelConfig.extensions`: none by default
     fixed point   solver="anderson" | "broyden": h* = TF(h* + e, r − 1) solved instead of unrolled, with an implicit or
                   phantom gradient (`loopformer.model.fixedpoint`): off by default
     budgets       timestep_time="normalized": the block reads the time t / R of a run of R loops and its step 1 / R
