@@ -20,6 +20,11 @@ the state after every step, `step_targets` [N, K, T], for per-loop targets: `tas
     pointer_chase  f(0) … f(m-1) s ? -> f^k(s)          (non-causal; knob: hops)
     schedule       x1 … xn -> a fixed hidden circuit's output after K layers   (non-causal; knob: layers)
 
+Tasks whose continuity is set by a dial (the moduli of Theorem 3.6 and the label variation of Lemma 4.1):
+
+    label_sequence k1 … kw -> each key's last label; loop t reads label t-1 of its sequence (dial: jump)
+    dial_map       x1 … xN -> bins of tri(α·u_i + β·Σ_{j≠i} u_j / √(N-1))   (dials: token_lipschitz, context_lipschitz)
+
 Tasks of variable size for length generalisation (`loopformer.tasks.algorithmic`; every row has its own size n in
 min_length..length, recorded in `size`; causal, padded at the end):
 
@@ -46,7 +51,9 @@ from loopformer.tasks.algorithmic import AdditionTask, BinarySumTask, CopyTask, 
 from loopformer.tasks.base import IGNORE, TokenTask, Vocab
 from loopformer.tasks.column_addition import ColumnAdditionTask
 from loopformer.tasks.countdown import CountdownTask
+from loopformer.tasks.dial_map import DialMapTask
 from loopformer.tasks.edit_distance import EditDistanceTask
+from loopformer.tasks.label_sequence import LabelSequenceTask
 from loopformer.tasks.lcs import LCSTask
 from loopformer.tasks.pointer_chase import PointerChaseTask
 from loopformer.tasks.schedule import ScheduleTask
@@ -66,6 +73,8 @@ TASKS: dict[str, type[TokenTask]] = {
     "addition": AdditionTask,
     "binary_sum": BinarySumTask,
     "column_addition": ColumnAdditionTask,
+    "label_sequence": LabelSequenceTask,
+    "dial_map": DialMapTask,
 }
 
 
@@ -95,4 +104,4 @@ def get_task(name: str, **options: Any) -> TokenTask:
 __all__ = ["TASKS", "get_task", "task_options", "TokenTask", "Vocab", "IGNORE", "EditDistanceTask", "LCSTask",
            "SudokuTask", "CountdownTask",
            "WordProblemTask", "PointerChaseTask", "ScheduleTask", "ParityTask", "CopyTask", "AdditionTask",
-           "BinarySumTask", "ColumnAdditionTask"]
+           "BinarySumTask", "ColumnAdditionTask", "LabelSequenceTask", "DialMapTask"]

@@ -186,7 +186,8 @@ def register(subparsers) -> None:
                                        "a trained checkpoint")
     m.add_argument("--target", default=None,
                    help="default, identity, sum, or package.module:function mapping [..., d, N] to the same shape "
-                        "(numpy; torch too for gradient ascent); default: default")
+                        "(numpy; torch too for gradient ascent), or package.module:factory(key=value, ...) returning "
+                        "one; default: default")
     m.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a trained model instead: input embeddings [D, N] -> the residual stream after the last loop")
     m.add_argument("--kind", default="all", choices=["all", "seq", "cont", "tok"],

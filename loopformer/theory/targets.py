@@ -1,5 +1,6 @@
 """Target functions f: [0,1]^{d×N} → R^{d×N} for the moduli estimators and the rate experiment (Sec. 3.2, Thm 3.6):
-built-in ones, a user's callable named `package.module:function`, or a trained checkpoint.
+built-in ones, a user's callable named `package.module:function` (or returned by a factory called with literal
+keyword arguments, `package.module:factory(key=value, ...)`), or a trained checkpoint.
 
 A target maps an array [..., d, N] to an array of the same shape: numpy float64 always, and a torch float64
 tensor too when it should be differentiable (then the estimators add projected gradient ascent).
@@ -8,6 +9,7 @@ Shapes: B batch, d token dimension, N sequence length, D model width.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 from collections.abc import Callable
@@ -41,13 +43,32 @@ def sum_target(X):
 BUILTIN: dict[str, Callable] = {"default": default_target, "identity": identity_target, "sum": sum_target}
 
 
+def _call_options(spec: str, text: str) -> dict:
+    """The keyword arguments `key=value, ...` of a factory call in a target spec (values: Python literals)."""
+    try:
+        call = ast.parse(f"f({text})", mode="eval").body
+        if call.args or any(kw.arg is None for kw in call.keywords):
+            raise ValueError("only key=value arguments")
+        return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    except (SyntaxError, ValueError) as exc:
+        raise UserError(f"target {spec!r}: the arguments ({text}) must be key=value pairs of literals "
+                        f"({type(exc).__name__}: {exc})") from None
+
+
 def load_target(spec: str) -> Callable:
-    """A built-in name (`BUILTIN`) or `package.module:function` (attribute paths allowed: `mod:Class.method`)."""
+    """A built-in name (`BUILTIN`), `package.module:function` (attribute paths allowed: `mod:Class.method`), or a
+    factory called with literal keyword arguments, `package.module:factory(key=value, ...)`, which returns the
+    target (e.g. `loopformer.tasks.dial_map:target(token_lipschitz=4)`)."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     mod_name, sep, attr = spec.partition(":")
+    call = None
+    if sep and attr.endswith(")") and "(" in attr:
+        attr, call = attr[:-1].split("(", 1)
+        attr = attr.strip()
     if not sep or not mod_name or not attr:
-        raise UserError(f"target {spec!r}: expected one of {', '.join(BUILTIN)} or package.module:function")
+        raise UserError(f"target {spec!r}: expected one of {', '.join(BUILTIN)}, package.module:function or "
+                        "package.module:factory(key=value, ...)")
     try:
         obj = importlib.import_module(mod_name)
     except Exception as exc:   # ImportError, or any error raised while importing the user's module
@@ -56,6 +77,16 @@ def load_target(spec: str) -> Callable:
         if not hasattr(obj, part):
             raise UserError(f"target {spec!r}: {mod_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    if call is not None:
+        options = _call_options(spec, call)
+        if not callable(obj):
+            raise UserError(f"target {spec!r}: {attr!r} is not callable")
+        try:
+            obj = obj(**options)
+        except UserError as exc:
+            raise UserError(f"target {spec!r}: {exc}") from None
+        except Exception as exc:
+            raise UserError(f"target {spec!r}: {attr}({call}) failed ({type(exc).__name__}: {exc})") from None
     if not callable(obj):
         raise UserError(f"target {spec!r} is not callable")
     return obj
