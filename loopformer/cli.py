@@ -16,6 +16,7 @@ import sys
 
 import yaml
 
+from loopformer import hf_commands
 from loopformer.analysis import commands as analysis_commands
 from loopformer.commandline import interrupt_on_signals
 from loopformer.configio import one_line
@@ -40,6 +41,7 @@ COMMAND_MODULES = [
     text_commands,         # text prepare, generate
     perplexity_commands,   # [text] perplexity (through the evaluation)
     analysis_commands,     # analyze continuity / dynamics
+    hf_commands,           # hf export (transformers)
 ]
 
 

@@ -14,8 +14,8 @@ PKG = Path(__file__).resolve().parents[1] / "loopformer"
 LAYERS = {                      # higher imports lower, never the other way
     "lab": 10,                  # experiments through the extension point: nothing in loopformer imports them
     "cli": 9,
-    "experiments": 8, "analysis": 8,
-    "train": 7,
+    "experiments": 8, "analysis": 8, "hf_commands": 8,
+    "train": 7, "hf": 7,
     "eval": 6,
     "sources": 5,
     "data": 4, "text": 4, "theory": 4,

@@ -1,0 +1,112 @@
+"""`loopformer hf export RUN --out DIR`: a run's (or checkpoint's) language model as a transformers folder.
+
+    DIR/config.json               `LoopformerConfig` (model_type "loopformer", every ModelConfig field, auto_map)
+    DIR/model.safetensors         the weights, named as `LoopedTransformer`'s under `model.`
+    DIR/generation_config.json    end-of-text as eos and pad token
+    DIR/tokenizer.json, tokenizer_config.json
+                                  the run's tokenizer as a transformers fast tokenizer (`loopformer.hf.tokenizer`)
+    DIR/configuration_loopformer.py, modeling_loopformer.py
+                                  the self-contained modelling code for `trust_remote_code=True` (where loopformer
+                                  is not installed); left out, with the reason, for a model it does not run
+
+`AutoModelForCausalLM.from_pretrained(DIR)` loads the folder after `import loopformer.hf`,
+`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` without loopformer, and
+`AutoTokenizer.from_pretrained(DIR)` its tokenizer. The folder is written next to DIR and renamed into place; DIR
+must be new, empty or an earlier export (its config.json records `loopformer_export`): nothing else is replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers.utils import logging as hf_logging
+
+from loopformer.errors import UserError
+from loopformer.fileio import check_owned_folder, new_folder
+from loopformer.hf import configuration_loopformer, modeling_loopformer
+from loopformer.hf.model import LoopformerForCausalLM, hf_config
+from loopformer.hf.tokenizer import fast_tokenizer
+from loopformer.model.halting import HaltRule
+from loopformer.model.io import CONFIG, RUN_CHECKPOINT, load, read_config, resolve_checkpoint
+from loopformer.model.memory import check_loops
+from loopformer.text.commands import checkpoint_data_dir
+from loopformer.text.dataset import TokenCorpus
+from loopformer.version import __version__
+
+CODE = (configuration_loopformer, modeling_loopformer)       # the remote code an export carries
+WRITTEN = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "chat_template.jinja", *(Path(m.__file__).name for m in CODE))
+MARKER = "loopformer_export"       # the key of config.json that marks a folder this command wrote
+AUTO_MAP = {"AutoConfig": "configuration_loopformer.LoopformerConfig",
+            "AutoModelForCausalLM": "modeling_loopformer.LoopformerForCausalLM"}
+
+
+@dataclass
+class Export:
+    folder: Path
+    remote_code: str | None       # why the folder carries no remote code (None: it does)
+
+
+def check_out(out: str | Path) -> None:
+    """A UserError unless `out` is missing, empty or a folder this command wrote."""
+    hint = "choose a new folder for the export"
+    check_owned_folder(out, WRITTEN, CONFIG, "hf export", hint=hint)
+    cfg = Path(out) / CONFIG
+    if cfg.is_file():
+        try:
+            ours = MARKER in json.loads(cfg.read_text())
+        except (ValueError, OSError, TypeError):
+            ours = False
+        if not ours:
+            raise UserError(f"{out} holds a config.json that hf export did not write; {hint}")
+
+
+def export(run: str | Path, out: str | Path, data: str | Path | None = None, ema: bool = False,
+           loops: int | None = None, halt: str | None = None, memory_check: bool = True) -> Export:
+    """Write the transformers folder `out` of the language model in `run` (a run folder or a checkpoint folder);
+    see the module docstring. `data`: the prepared corpus whose tokenizer to save (default: the one the run was
+    trained on); `ema`: the averaged weights; `loops`, `halt`: the loop count and halting rule calls use when they
+    name none (config.inference_loops, config.halt)."""
+    ckpt = resolve_checkpoint(run)
+    cfg, _ = read_config(ckpt)
+    config = hf_config(cfg, inference_loops=loops, halt=halt)       # refuses a model that is no causal LM
+    check_loops(loops, cfg.loops)
+    if halt is not None:
+        HaltRule.parse(halt)
+    check_out(out)
+    corpus = data if data is not None else checkpoint_data_dir(str(ckpt))
+    if corpus is None:
+        raise UserError(f"cannot tell which tokenizer {ckpt} uses; pass --data DIR (its prepared corpus)")
+    tokenizer = TokenCorpus(corpus).tokenizer()
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise UserError(f"the tokenizer of {corpus} has {tokenizer.vocab_size} tokens, more than the model's "
+                        f"vocabulary of {cfg.vocab_size}: not the corpus this model was trained on")
+    fast = fast_tokenizer(tokenizer, cfg.max_len if cfg.indexed_positions else None)
+    model = load(ckpt, ema=ema, memory_check=memory_check)
+    extra = {"inference_loops": loops, "halt": halt, "eos_token_id": tokenizer.eot_id,
+             "pad_token_id": tokenizer.eot_id,
+             MARKER: {"loopformer_version": __version__, "ema": ema,
+                      "run": ckpt.parent.name if ckpt.name == RUN_CHECKPOINT else ckpt.name}}
+    hf = LoopformerForCausalLM.from_loopformer(model, **extra)
+    remote = modeling_loopformer.unsupported(config)
+    if remote is None:
+        hf.config.auto_map = dict(AUTO_MAP)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()           # one line of output, as every loopformer command
+    try:
+        with new_folder(out) as tmp:
+            hf.save_pretrained(tmp)
+            fast.save_pretrained(tmp)
+            if remote is None:
+                for mod in CODE:
+                    shutil.copyfile(mod.__file__, tmp / Path(mod.__file__).name)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return Export(Path(out), remote)
+
+
+__all__ = ["export", "check_out", "Export", "AUTO_MAP", "WRITTEN"]
