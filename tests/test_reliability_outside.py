@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_cli_errors import error_line, train_tiny
 from test_convert import ckpt
 
 from loopformer.cli import main
+from loopformer.errors import UserError
 from loopformer.fileio import foreign_entries
 
 
@@ -245,3 +248,174 @@ def test_paper_tables_takes_no_other_option(capsys):
     assert main(["reproduce", "--paper-tables", "--out", "x", "--quick"]) == 2
     error_line(capsys, "takes no other option (got --quick, --out)")
     assert main(["reproduce", "--paper-tables"]) == 0
+
+
+# ------------------------------------------------------------------------------------------------ sizes first
+def test_data_gen_counts_a_row_s_intermediate_states_before_drawing(tmp_path, capsys):
+    """The word problem's rows of length 4,096 hold 4,095 intermediate states each: 1,000 of them are refused in
+    one line naming the size, at once, before anything is drawn (they asked for 171 GiB)."""
+    t0 = time.perf_counter()
+    assert main(["data", "gen", "word_problem", "--opt", "length=4096", "--train", "1000", "--test", "100",
+                 "--out", str(tmp_path / "d")]) == 2
+    error_line(capsys, "4,095 intermediate states")
+    assert time.perf_counter() - t0 < 10 and list(tmp_path.iterdir()) == []
+
+
+def test_a_generator_is_sized_before_it_draws(tmp_path, monkeypatch, capsys):
+    """Every draw of a task's rows is sized first (rows × their intermediate states) against the memory available
+    (here made small): `eval --lengths` at a long length and `data gen` refuse in one line naming the size."""
+    import loopformer.tasks.common as common
+    from loopformer.sources import TaskConfig, make_data
+    from loopformer.tasks import get_task
+
+    task = get_task("word_problem", length=64)
+    assert task.steps == 63 and get_task("word_problem", length=64, scan="doubling").steps == 6
+    for n in (1, 2, 3, 5, 8, 9, 33):                     # the closed form of K equals the scan's own
+        for scan in ("linear", "doubling"):
+            t = get_task("word_problem", length=n, scan=scan)
+            assert t.steps == t.states(np.zeros((1, n), dtype=np.int64), t.table).shape[1]
+    data = make_data(TaskConfig(name="word_problem", options={"group": "S3", "length": 8}, n_train=16, n_test=8))
+    monkeypatch.setattr(common, "available_memory", lambda: 1 << 20)
+    drawn = []
+    monkeypatch.setattr(type(task), "_draw", lambda self, rng, m: drawn.append(m) or pytest.fail("drew"))
+    with pytest.raises(UserError, match=r"generating [\d,]+ rows of word_problem \(64 positions and 63 "
+                                        r"intermediate states each\) would take about [\d.]+ GiB"):
+        task.generate(100, 0, "test")
+    with pytest.raises(UserError, match="length 512: generating"):
+        data.at_length(512, 8)
+    assert main(["data", "gen", "word_problem", "--opt", "length=64", "--train", "100", "--test", "10",
+                 "--out", str(tmp_path / "d")]) == 2
+    error_line(capsys, "rows of word_problem")
+    assert drawn == [] and list(tmp_path.iterdir()) == []
+
+
+def test_eval_lengths_checks_the_loops_before_drawing_the_rows(monkeypatch):
+    from loopformer.eval.lengths import plan_lengths
+    from loopformer.model.config import ModelConfig
+    from loopformer.sources import TaskConfig, make_data
+
+    data = make_data(TaskConfig(name="word_problem", options={"group": "S3", "length": 8}, n_train=16, n_test=8))
+    monkeypatch.setattr(type(data), "at_length", lambda *a: pytest.fail("drew the rows"))
+    cfg = ModelConfig(vocab_size=8, loops=8, loop_rule="linear:1,0", pos="rope")
+    with pytest.raises(UserError, match="loops"):
+        plan_lengths(data, cfg, [4096])
+
+
+def _prepare(tmp_path: Path, text: bytes | None, monkeypatch, **sizes) -> int:
+    """`text prepare` of the file one.txt holding `text` (None: as it is) with corpus sizes patched; the tokenizer
+    library must not be called."""
+    import loopformer.text.corpus as corpus
+    import loopformer.text.tokenizers as tk
+
+    for name, value in sizes.items():
+        monkeypatch.setattr(corpus, name, value)
+    monkeypatch.setattr(tk.HFTokenizer, "train_from_iterator", lambda *a, **k: pytest.fail("trained the tokenizer"))
+    if text is not None:
+        (tmp_path / "one.txt").write_bytes(text)
+    return main(["text", "prepare", str(tmp_path / "one.txt"), "--out", str(tmp_path / "c"), "--quiet"])
+
+
+def test_text_prepare_of_one_long_line_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    """A document of fewer than 3 lines has no val or test share: known before the tokenizer learns anything (a
+    300 KB line took over a minute, 48 MB reached 9.5 GB of memory)."""
+    t0 = time.perf_counter()
+    assert _prepare(tmp_path, b"to be or not to be " * 16000, monkeypatch) == 2             # 300 KB, read whole
+    error_line(capsys, "the val split of")
+    assert _prepare(tmp_path, b"to be or not to be " * 2000, monkeypatch, _WHOLE_FILE_BYTES=1024) == 2  # streamed
+    error_line(capsys, "the val split of")
+    assert time.perf_counter() - t0 < 10 and sorted(p.name for p in tmp_path.iterdir()) == ["one.txt"]
+
+
+def test_text_prepare_memory_is_bounded_whatever_a_line_s_length(tmp_path, capsys, monkeypatch):
+    """A line of NULs (3 GB ended in a traceback): refused in one line once it outgrows MAX_LINE_CHARS, holding
+    no more than about that much — here 64 KiB of a 64 MiB line; what the command holds at its peak is a fraction
+    of the line (the checksum reads 4 MiB at a time)."""
+    import tracemalloc
+
+    with open(tmp_path / "one.txt", "wb") as fh:
+        for _ in range(64):
+            fh.write(b"\0" * (1 << 20))
+    tracemalloc.start()
+    try:
+        assert _prepare(tmp_path, None, monkeypatch, _WHOLE_FILE_BYTES=1024, _READ_BYTES=1 << 14,
+                        MAX_LINE_CHARS=1 << 16) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    error_line(capsys, "holds a line longer than 65,536 characters")
+    assert peak < 16 << 20 and sorted(p.name for p in tmp_path.iterdir()) == ["one.txt"]
+
+
+# ------------------------------------------------------------------------------------------------ smaller cases
+@pytest.mark.parametrize("rule", ["linear:1e300,0", "log:1e300,1", "linear:1,1e300", "linear:5000,0"])
+def test_loop_rules_that_would_overflow_are_refused_at_parse(rule):
+    import warnings
+
+    from loopformer.configio import load_config
+    from loopformer.model.config import ModelConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserError, match=r"loop_rule .*the slope a must be in \(0, 4,096\]"):
+            load_config(ModelConfig, overrides=["vocab_size=4", f"loop_rule={rule}"])
+
+
+@pytest.mark.parametrize("row,needle", [("abc", "give the row number"), ("", "give the row number"),
+                                        ("99", "ROW in 1..")])
+def test_paper_row_script_refuses_a_bad_row_in_one_line(row, needle):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", str(root / "scripts" / "paper_row.sh"), *([row] if row else [])],
+                          capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("lo,hi", [("-1e308", "1e308"), ("-inf", "1"), ("0", "inf")])
+def test_theory_modulus_boxes_too_wide_to_draw_from(capsys, lo, hi):
+    assert main(["theory", "modulus", "--delta", "0.1", "--N", "2", "--d", "2", "--samples", "8", "--steps", "0",
+                 f"--lo={lo}", f"--hi={hi}"]) == 2
+    error_line(capsys, "finite")
+
+
+def test_dynamics_records_of_the_wrong_type_count_as_undefined(run, tmp_path, capsys):
+    from loopformer.analysis.dynamics import training_curves
+
+    bad = [{"split": "dynamics", "step": 1, "grad_norm_block": "abc", "gate_attn": 5, "update": ["a", 2.0, None],
+            "settle_mean": {}},
+           {"split": "dynamics", "step": 2, "grad_norm_block": 1.5, "gate_attn": [1.0, 3.0], "update": [],
+            "settle_mean": 4},
+           {"split": "dynamics", "step": "3"}]
+    curves = training_curves(bad)
+    assert curves["step"] == [1, 2] and curves["mean_update"][0] == 2.0 and curves["mean_gate_attn"][1] == 2.0
+    assert all(math.isnan(v) for v in (curves["grad_norm_block"][0], curves["mean_gate_attn"][0],
+                                       curves["settle_mean"][0], curves["mean_update"][1]))
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    with open(copy / "metrics.jsonl", "a") as fh:
+        for rec in bad[:2]:
+            fh.write(json.dumps(rec) + "\n")
+    assert main(["analyze", "dynamics", str(copy), "--out", str(tmp_path / "dyn"), "-n", "8"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ the docs' claim
+@pytest.mark.parametrize("scan_every", [False, True])
+def test_past_loop_n_a_row_holds_its_state_at_loop_n(scan_every):
+    """docs/length-generalisation.md: past loop n a row of size n holds its state at loop n — its final targets,
+    and with parity's `scan_every` the prefix parity at every bit (which its final targets leave unsupervised)."""
+    from loopformer.tasks import get_task
+    from loopformer.tasks.base import IGNORE
+
+    task = get_task("parity", length=8, min_length=2, scan=True, scan_every=scan_every)
+    b = task.generate(64, 0, "test")
+    for i in range(64):
+        n, steps, targets = int(b["size"][i]), b["step_targets"][i], b["targets"][i]
+        assert (steps[n - 1:] == steps[n - 1]).all()                               # loops n..K: the state at n
+        supervised = targets != IGNORE
+        assert (steps[n - 1][supervised] == targets[supervised]).all()
+        bits = b["inputs"][i, 1:n + 1] - task.vocab.index["0"]
+        prefix = task.vocab.index["0"] + np.cumsum(bits) % 2
+        assert (steps[n - 1, 1:n + 1] == prefix).all() == scan_every

@@ -63,11 +63,14 @@ def _check_gen_sizes(task, args) -> None:
     if args.seed < 0:
         raise UserError(f"--seed must be a non-negative integer (got {args.seed})")
     rows = args.train + args.test + chunk * (4 * args.workers + 1)
-    need = rows * max(int(task.seq_len), 1) * BYTES_PER_TOKEN
+    per_row = task.row_bytes() if hasattr(task, "row_bytes") else max(int(task.seq_len), 1) * BYTES_PER_TOKEN
+    need = rows * per_row                     # a row's intermediate states (K × T) included
     avail = available_bytes("cpu")
     if need > avail:
+        states = f" and {task.steps:,} intermediate states" if getattr(task, "steps", 0) else ""
         raise UserError(f"data gen would hold about {need / GiB:,.1f} GiB of samples ({rows:,} rows of "
-                        f"{task.seq_len} tokens) but {avail / GiB:,.1f} GiB are available; lower --train / --test")
+                        f"{task.seq_len} tokens{states}) but {avail / GiB:,.1f} GiB are available; lower --train / "
+                        f"--test")
 
 
 def _gen(args) -> int:

@@ -31,6 +31,7 @@ from loopformer.fileio import write_figure
 from loopformer.model.lengths import LoopRule
 from loopformer.model.memory import check_loops
 from loopformer.sources import DataSource, check_data_fits
+from loopformer.tasks import get_task
 
 MAX_LENGTHS = 64    # lengths in one evaluation
 
@@ -64,14 +65,30 @@ def plan_lengths(data: DataSource, cfg, lengths: list[int], *, loops: int = 0, m
     rows = limit or data.cfg.n_test
     plan = []
     for n in parse_lengths(lengths):
-        d_n, task_n = data.at_length(n, rows)
-        check_data_fits(d_n, task_n, cfg)
+        _check_length_option(data, n)                      # the task's own bounds on n, drawing nothing
         R = loops or rule.at(n, cfg.loops)
         M = max(R, max_loops or 2 * R)
-        check_loops(R, cfg.total_loops, "loops")
+        check_loops(R, cfg.total_loops, "loops")          # before the rows of length n are drawn
         check_loops(M, cfg.total_loops, "max_loops")
+        d_n, task_n = data.at_length(n, rows)              # drawn after their size is checked (`check_draw`)
+        check_data_fits(d_n, task_n, cfg)
         plan.append((n, d_n, R, M))
     return plan
+
+
+def _check_length_option(data: DataSource, n: int) -> None:
+    """The task of `data` built with option length = n (as `at_length` builds it), which checks n against the
+    task's bounds without drawing a row; nothing for data without a task or a length option (`at_length` says
+    why)."""
+    task = getattr(data, "task", None)
+    options = task.options() if task is not None and hasattr(task, "options") else {}
+    if "length" not in options:
+        return
+    options = {**options, "length": int(n), **({"min_length": 0} if "min_length" in options else {})}
+    try:
+        get_task(task.name, **options)
+    except UserError as exc:
+        raise UserError(f"length {n}: {exc}") from None
 
 
 def _read_stopped(raw: torch.nn.Module, data: DataSource, loops: int, choosers: dict[str, Callable], *,

@@ -58,11 +58,21 @@ class TokenTask:
     seq_len: int          # T: length of every `inputs` row
     pad_id: int = 0
     steps: int = 0        # K > 0: `generate` also returns `step_targets` [N, K, T], the targets after each of the K
-                          # sequential steps of the answer (the last one equals `targets`), for per-loop targets
+                          # sequential steps of the answer, for per-loop targets; the last one equals `targets`
+                          # wherever `targets` supervises, and may supervise more (parity's `scan_every`: the
+                          # prefix parity at every bit)
 
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
+
+    def row_bytes(self, drawing: bool = False) -> int:
+        """About how many bytes one generated row takes: 16 per position for its inputs and targets (drawn, then
+        gathered into its split) and 8 per cell of its intermediate states (K × T as int32, gathered); while it is
+        being drawn (`drawing`) 40 per cell, the states being computed as int64 and shifted and masked in copies.
+        What the size checks before generating (`tasks.common.check_draw`, `data gen`) multiply by the rows."""
+        T = max(int(self.seq_len), 1)
+        return 16 * T + (40 if drawing else 8) * max(int(self.steps), 0) * T
 
     def options(self) -> dict[str, Any]:
         """The generator options (recorded in manifests and run folders)."""

@@ -146,17 +146,42 @@ def in_split(rows: np.ndarray, split: str) -> np.ndarray:
 MAX_EMPTY_DRAWS = 200    # batches in a row without a row of the split before `draw_in_split` gives up
 
 
+def available_memory() -> int:
+    """Bytes of memory that can be allocated now (the bound of `check_draw`)."""
+    import psutil  # light, but only needed here
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_draw(task: Any, rows: int) -> None:
+    """A one-line UserError naming the size, before anything is allocated, when drawing `rows` rows of `task`
+    (`TokenTask.row_bytes(drawing=True)` each: the intermediate states of a long row dominate) would take more
+    memory than is available."""
+    per_row = task.row_bytes(drawing=True)
+    need, avail = int(rows) * per_row, available_memory()
+    if need > avail:
+        gib = 1024 ** 3
+        states = f" and {task.steps:,} intermediate states" if getattr(task, "steps", 0) else ""
+        raise UserError(f"generating {rows:,} rows of {task.name} ({task.seq_len:,} positions{states} each) would "
+                        f"take about {need / gib:,.1f} GiB but {avail / gib:,.1f} GiB are available; choose a shorter "
+                        f"length or fewer rows (data gen: a smaller chunk_size)")
+
+
 def draw_in_split(draw, n: int, rng: np.random.Generator, split: str) -> dict[str, np.ndarray]:
     """`n` samples of `split` by rejection: `draw(rng, m)` returns m samples as a dict of arrays with a leading
     sample axis (one of them "inputs"); the rows whose inputs hash into another split are dropped. Deterministic
     in the state of `rng`. A task whose space holds no row of `split` (tiny options) is a UserError after
-    MAX_EMPTY_DRAWS batches in a row without one, never an endless loop."""
+    MAX_EMPTY_DRAWS batches in a row without one, never an endless loop. Each draw of a task's method (`draw` bound
+    to the task) is sized first (`check_draw`)."""
     n = int(n)
     share = len(_SPLIT_BUCKETS[split_id(split)]) / HASH_BUCKETS
+    task = getattr(draw, "__self__", None)
     parts: list[dict[str, np.ndarray]] = []
     have, empty = 0, 0
     while have < n or not parts:
         m = max(64, int(np.ceil((n - have) / share * 1.2)))
+        if hasattr(task, "row_bytes"):
+            check_draw(task, m)
         batch = draw(rng, m)
         keep = in_split(batch["inputs"], split)
         parts.append({k: v[keep] for k, v in batch.items()})

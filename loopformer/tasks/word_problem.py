@@ -146,7 +146,8 @@ class WordProblemTask(TokenTask):
         self.vocab = Vocab(["<pad>"] + names + (["<bos>"] if self.bos else []))
         self.seq_len = self.length + int(self.bos)
         self.states = SCANS[self.scan]
-        self.steps = self.states(np.zeros((1, self.length), dtype=np.int64), self.table).shape[1]
+        n = self.length               # K of the scan (`linear_scan`, `scan_levels`), without drawing one
+        self.steps = max(1, n - 1) if self.scan == "linear" else (max(1, math.ceil(math.log2(n))) if n > 1 else 1)
 
     def options(self) -> dict:
         return dataclass_options(self)

@@ -83,6 +83,8 @@ _WHOLE_FILE_BYTES = 1 << 23    # a file up to this size is read whole; a larger 
 _READ_BYTES = 1 << 20          # bytes per read of a file streamed line by line
 _SEGMENT_CHARS = 1 << 20       # a streamed file's share is handed on in parts of about this many characters
 _PIECE_CHARS = 1 << 16         # the tokeniser gets a longer row in parts of about this many characters (RowPart)
+MAX_LINE_CHARS = 1 << 24       # a longer line of a streamed file is refused: memory stays bounded whatever a line's
+                               # length (a document is cut by lines)
 
 
 # ----------------------------------------------------------------------------------------------------------- options
@@ -141,6 +143,8 @@ class Source:
     rows: Callable[[str], Iterable[Row]]           # split -> rows (called lazily, possibly more than once)
     n_rows: Callable[[str], int | None]            # for the progress bar only (None: not known without a pass)
     splits: tuple[str, ...]
+    has_text: Callable[[str], bool] | None = None  # split -> whether it will hold text, known before tokenising
+                                                   # (document sources; `check_splits`)
 
 
 def wikitext103_source() -> Source:
@@ -344,6 +348,8 @@ def play_to_text(md: str) -> str:
 class _Document(Protocol):
     def rows(self, split: str, val_fraction: float, test_fraction: float) -> Iterator[Row]: ...
 
+    def has_text(self, split: str, val_fraction: float, test_fraction: float) -> bool: ...
+
 
 def _document_source(name: str, identity: dict, docs: Callable[[], Iterator[_Document]],
                      opts: PrepareOptions) -> Source:
@@ -354,7 +360,24 @@ def _document_source(name: str, identity: dict, docs: Callable[[], Iterator[_Doc
             yield from doc.rows(split, opts.val_fraction, opts.test_fraction)
 
     splits = tuple(s for s, f in (("train", 1.0), ("val", opts.val_fraction), ("test", opts.test_fraction)) if f > 0)
-    return Source(name, identity, rows, lambda s: None, splits)
+    def has_text(split: str) -> bool:
+        return any(doc.has_text(split, opts.val_fraction, opts.test_fraction) for doc in docs())
+
+    return Source(name, identity, rows, lambda s: None, splits, has_text=has_text)
+
+
+def check_splits(src: Source) -> None:
+    """A one-line UserError, before the tokeniser is trained, when a split of a document source would be empty
+    (every document's share of it blank: e.g. documents of fewer than 3 lines get no val or test share). Reads
+    documents only until each split has a share — usually the first — and a large file by counting its lines
+    (`_line_blocks`: never more than a line at a time). A share of blank lines in a large file passes here and is
+    refused after tokenising."""
+    if src.has_text is None:
+        return
+    for split in src.splits:
+        if not src.has_text(split):
+            raise UserError(f"the {split} split of {src.name} is empty (each document is cut by lines, and one of "
+                            f"fewer than 3 lines has no val or test share); give more text or change the fractions")
 
 
 def split_documents(docs: Iterable[str], val_fraction: float, test_fraction: float) -> dict[str, list[str]]:
@@ -398,6 +421,9 @@ class _TextDocument:
         if piece.strip():
             yield piece
 
+    def has_text(self, split: str, val_fraction: float, test_fraction: float) -> bool:
+        return any(True for _ in self.rows(split, val_fraction, test_fraction))
+
 
 @dataclass
 class _StreamedDocument:
@@ -408,13 +434,20 @@ class _StreamedDocument:
     counts: dict
 
     def rows(self, split: str, val_fraction: float, test_fraction: float) -> Iterator[Row]:
+        lo, hi = self._share(split, val_fraction, test_fraction)
+        if hi > lo:
+            yield from _stream_share(self.path, lo, hi)
+
+    def has_text(self, split: str, val_fraction: float, test_fraction: float) -> bool:
+        lo, hi = self._share(split, val_fraction, test_fraction)      # its lines, counted once
+        return hi > lo
+
+    def _share(self, split: str, val_fraction: float, test_fraction: float) -> tuple[int, int]:
         if self.path not in self.counts:
             self.counts[self.path] = _count_lines(self.path)
         n = self.counts[self.path]
         a, b = _cuts(n, val_fraction, test_fraction)
-        lo, hi = {"train": (0, a), "val": (a, b), "test": (b, n)}[split]
-        if hi > lo:
-            yield from _stream_share(self.path, lo, hi)
+        return {"train": (0, a), "val": (a, b), "test": (b, n)}[split]
 
 
 _LINE_ENDS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"      # what str.splitlines cuts after
@@ -427,6 +460,7 @@ def _line_blocks(path: Path) -> Iterator[list[str]]:
     offset = 0                  # bytes read before this block
     cr = ""                     # a \r held back: it may start a \r\n split across two reads
     head: list[str] = []        # the start of a line not yet ended
+    held = 0                    # ... its characters
     try:
         with open(path, "rb") as f:
             while True:
@@ -445,9 +479,13 @@ def _line_blocks(path: Path) -> Iterator[list[str]]:
                 tail = lines.pop() if lines and not final and lines[-1][-1] not in _LINE_ENDS else None
                 if lines and head:
                     lines[0] = "".join(head) + lines[0]
-                    head = []
+                    head, held = [], 0
                 if tail is not None:
                     head.append(tail)
+                    held += len(tail)
+                    if held > MAX_LINE_CHARS:
+                        raise UserError(f"{path} holds a line longer than {MAX_LINE_CHARS:,} characters (a "
+                                        f"document is cut into its splits by lines); break the text into lines")
                 if final and head:
                     lines.append("".join(head))
                 if lines:
@@ -911,6 +949,7 @@ def _prepare_corpus(source: str, out: str | os.PathLike, opts: PrepareOptions | 
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"{out} exists and is not a folder")
     check_owned_folder(out, PREPARED, MANIFEST, "text prepare", always=(".prepare-*",))
+    check_splits(src)                 # an empty split is known before any folder is made or tokeniser trained
     os.makedirs(out, exist_ok=True)
     remove_stale_temps(out, ".prepare-")
     listed: set[str] = set()       # the split files the folder's manifest lists (only those are this command's)
