@@ -8,10 +8,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-ROW=${1:?give the row number (loopformer reproduce --paper-tables lists them)}
+ROW=${1:-}
+if ! [[ "$ROW" =~ ^[0-9]+$ ]]; then
+  echo "paper_row: give the row number first (loopformer reproduce --paper-tables lists them; got '$ROW')" >&2
+  exit 2
+fi
 shift
 OUT=${OUT:-sweeps/paper-row-$ROW}
-mapfile -t CMDS < <("$PY" -m loopformer.experiments.paper "$ROW" "$OUT")
+LINES=$("$PY" -m loopformer.experiments.paper "$ROW" "$OUT") || exit $?    # a row out of range: its one line
+mapfile -t CMDS <<< "$LINES"
 DATA_DIR=$(printf '%s\n' "${CMDS[0]}" | sed -n 's/.*--out \([^ ]*\).*/\1/p')
 if [ "${CMDS[0]}" != "-" ] && [ ! -d "$DATA_DIR" ]; then
   echo "paper_row: making the data: loopformer ${CMDS[0]}"

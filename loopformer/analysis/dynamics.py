@@ -23,6 +23,7 @@ The measurements themselves are `loopformer.model.diagnostics`.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -83,10 +84,16 @@ def dynamics_of(model: torch.nn.Module, data: DataSource, *, loops: int, batch_s
 
 def training_curves(records: list[dict]) -> dict[str, list]:
     """Series over steps from a run's "dynamics" records: step, grad_norm_<group>, mean gate / update, settle."""
-    def num(v: Any) -> float:   # metrics.jsonl writes an undefined value as null
-        return float("nan") if v is None else float(v)
+    def num(v: Any) -> float:   # metrics.jsonl writes an undefined value as null; a value of another type
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)       # (a damaged record) counts as undefined
+        return float(v) if ok else float("nan")
 
-    recs = [r for r in records if r.get("split") == "dynamics"]
+    def mean(v: Any) -> float:  # a per-loop list's mean (NaN when it is no list of numbers)
+        vals = [num(x) for x in v] if isinstance(v, list) else []
+        return float(np.mean([x for x in vals if not math.isnan(x)])) if any(not math.isnan(x) for x in vals) \
+            else float("nan")
+
+    recs = [r for r in records if r.get("split") == "dynamics" and isinstance(r.get("step"), int)]
     out: dict[str, list] = {"step": [r["step"] for r in recs]}
     for g in PARAM_GROUPS:
         key = f"grad_norm_{g}"
@@ -94,8 +101,7 @@ def training_curves(records: list[dict]) -> dict[str, list]:
             out[key] = [num(r.get(key)) for r in recs]
     for k in (*MOD_KEYS, "update"):
         if any(k in r for r in recs):
-            out[f"mean_{k}"] = [float(np.nanmean([num(x) for x in r[k]])) if r.get(k) else float("nan")
-                                for r in recs]
+            out[f"mean_{k}"] = [mean(r.get(k)) for r in recs]
     if any("settle_mean" in r for r in recs):
         out["settle_mean"] = [num(r.get("settle_mean")) for r in recs]
     return out

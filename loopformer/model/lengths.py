@@ -30,6 +30,8 @@ import numpy as np
 from loopformer.errors import UserError
 
 KINDS = ("fixed", "linear", "log")
+MAX_SLOPE = 4096          # a rule's slope a: T(n) of a trained size is at most model.loops (<= 4,096)
+MAX_OFFSET = 1 << 24      # |b|: the most positions a model holds; with n <= 2^24 every T(n) stays far inside int64
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class LoopRule:
             a = b = None
         if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or a <= 0:
             raise ValueError(f"loop_rule {text!r}: write {kind}:a,b with a slope a > 0 and an offset b")
+        if a > MAX_SLOPE or abs(b) > MAX_OFFSET:       # a·n + b would overflow or exceed every loop cap
+            raise ValueError(f"loop_rule {text!r}: the slope a must be in (0, {MAX_SLOPE:,}] and the offset b in "
+                             f"[-{MAX_OFFSET:,}, {MAX_OFFSET:,}]")
         return cls(kind, a, b)
 
     @property
@@ -72,7 +77,7 @@ class LoopRule:
             raise ValueError(f"sizes must be >= 1 (got {int(n.min())})")
         x = n.astype(np.float64) if self.kind == "linear" else np.ceil(np.log2(np.maximum(n, 1)))
         t = np.ceil(self.a * x + self.b - 1e-9)   # a·n + b integral stays itself despite rounding
-        return np.maximum(t, 1).astype(np.int64)
+        return np.clip(t, 1, 2.0 ** 62).astype(np.int64)     # a huge size: a huge count, never a wrapped one
 
     def at(self, size: int, fixed: int) -> int:
         """T(n) of one size."""

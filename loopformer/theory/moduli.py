@@ -14,11 +14,14 @@ f: takes a batch [B, d, N] (numpy float64 array, or a torch tensor when `use_gra
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from loopformer.errors import UserError
 
 KINDS = ("seq", "cont", "tok")
 
@@ -86,6 +89,9 @@ def estimate_modulus(f: Callable, delta: float, kind: str, d: int, N: int, p: fl
         raise ValueError(f"kind must be one of {KINDS} (got {kind!r})")
     if delta < 0:
         raise ValueError("δ must be >= 0")
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi and math.isfinite(hi - lo)):
+        raise UserError(f"the box [lo, hi] needs finite edges lo < hi a finite distance apart (got lo={lo:g}, "
+                        f"hi={hi:g})")             # numpy cannot draw from a wider one
     rng = np.random.default_rng(seed)
     evals = 0
     best = (-1.0, None, None, 0)
