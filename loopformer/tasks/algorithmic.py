@@ -32,7 +32,8 @@ loop j of the one-step scan. After j loops a read position p has seen positions 
     copy    the read-out before y_i holds the symbol j positions back, x_(n+i−j), once that is a symbol (j >= i;
             IGNORE before); <eos> from loop n on — for copy the only way a window of two can move x_i to y_i
 
-A row of size n holds its final targets for every step past n.
+Past step n a row of size n holds its state at step n: its final targets and, with parity's `scan_every`, the
+prefix parity at every bit (positions its final targets do not supervise).
 
 Every answer is checked against a brute-force reference in the tests (Python integers, one row at a time).
 """
@@ -108,7 +109,7 @@ class LengthTask(TokenTask):
 
     def scan_targets(self, rows: np.ndarray, targets: np.ndarray, n: int) -> np.ndarray:
         """[m, K, T] the targets after loops 1..K of the one-step scan for rows of size n (`scan`), from their
-        tokens and final targets [m, T]; steps past n repeat the final targets."""
+        tokens and final targets [m, T]; steps past n repeat step n."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- the contract
