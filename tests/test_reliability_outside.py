@@ -419,3 +419,26 @@ def test_past_loop_n_a_row_holds_its_state_at_loop_n(scan_every):
         bits = b["inputs"][i, 1:n + 1] - task.vocab.index["0"]
         prefix = task.vocab.index["0"] + np.cumsum(bits) % 2
         assert (steps[n - 1, 1:n + 1] == prefix).all() == scan_every
+
+
+def test_a_huge_position_factor_list_is_checked_before_the_config_schema(run, tmp_path, capsys):
+    """A checkpoint's config.json holding a 544 KB `pos_factors` list was read element by element through the
+    schema before its refusal: plain checks first, then the weights refuse it at once; a model with
+    position factors reads back as it was written."""
+    from loopformer.model.config import ModelConfig
+    from loopformer.model.io import read_config, save_checkpoint
+    from loopformer.model.looped import LoopedTransformer
+
+    ck = tmp_path / "ck"
+    shutil.copytree(run / "checkpoint", ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    for factors, needle in [([[i % 9 for i in range(60000)]] * 3, "does not match its config"),
+                            ([[0] * 10] * 65, "at most 64 lists"), ([[0.5] * 10], "integers"),
+                            ([[True] * 10], "integers"), ([[-1] * 10], "integers"), ("abc", "list")]:
+        (ck / "config.json").write_text(json.dumps({**cfg, "pos_factors": factors}))
+        assert main(["info", str(ck)]) == 2
+        error_line(capsys, needle)
+    model = ModelConfig(vocab_size=8, max_len=6, d_model=16, n_heads=2, pos_factors=[[0, 0, 1, 1, 2, 2],
+                                                                                     [0, 1, 0, 1, 0, 1]])
+    save_checkpoint(tmp_path / "pf", LoopedTransformer(model))
+    assert read_config(tmp_path / "pf")[0] == model

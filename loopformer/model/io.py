@@ -38,7 +38,7 @@ from safetensors.torch import load_model, save_model
 from loopformer.configio import from_dict, to_dict
 from loopformer.errors import UserError
 from loopformer.fileio import check_owned_folder, new_folder, owner_dead
-from loopformer.model.config import ModelConfig, migrate
+from loopformer.model.config import LIMITS, ModelConfig, migrate
 from loopformer.model.looped import LoopedTransformer, unwrap
 from loopformer.model.memory import check_fits, param_count
 from loopformer.version import __version__
@@ -239,7 +239,34 @@ def read_config(path: str | os.PathLike, weights: bool = True) -> tuple[ModelCon
         data = migrate(data)                 # fields that left the core since the checkpoint was written
     except ValueError as exc:
         raise UserError(f"{p / CONFIG}: {exc}") from None
-    return from_dict(ModelConfig, data), extra
+    factors = _position_factors(data.pop("pos_factors", None), p / CONFIG)
+    cfg = from_dict(ModelConfig, data)
+    if factors is not None:                  # checked as plain lists: a long one through the schema takes seconds
+        try:
+            cfg = cfg.replace(pos_factors=factors)
+        except ValueError as exc:
+            raise UserError(f"{p / CONFIG}: {exc}") from None
+    return cfg, extra
+
+
+MAX_FACTORS = 64    # position factors a config may list (a grid task has a few: row, column, box)
+
+
+def _position_factors(factors: Any, where: Path) -> list[list[int]] | None:
+    """config.json's `pos_factors` checked as plain JSON before anything else reads it — at most MAX_FACTORS lists,
+    each of at most LIMITS["max_len"] non-negative integers below it — so a huge or malformed list is one line at
+    once; ModelConfig then checks it against max_len."""
+    if factors is None:
+        return None
+    limit = LIMITS["max_len"]
+    if not isinstance(factors, list) or len(factors) > MAX_FACTORS or not all(
+            isinstance(f, list) and len(f) <= limit for f in factors):
+        raise UserError(f"{where}: pos_factors must be a list of at most {MAX_FACTORS} lists of at most {limit:,} "
+                        f"position indices each")
+    for f in factors:
+        if not all(type(i) is int and 0 <= i < limit for i in f):
+            raise UserError(f"{where}: pos_factors must hold integers in 0..{limit - 1:,}")
+    return factors
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu", ema: bool = False, memory_check: bool = True,
