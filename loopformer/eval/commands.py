@@ -16,7 +16,7 @@ from loopformer.errors import UserError
 from loopformer.eval.budgets import budgets_plot, evaluate_budgets, format_budgets, parse_budgets
 from loopformer.eval.config import EvalConfig
 from loopformer.eval.drift import drift_table
-from loopformer.eval.evaluate import check_eval_args, format_results
+from loopformer.eval.evaluate import format_results
 from loopformer.eval.halting import format_halting, sweep_plot
 from loopformer.eval.lengths import format_lengths, lengths_plot, parse_lengths
 from loopformer.eval.run import EXTRAS, check_eval_config, evaluate_all
@@ -107,20 +107,13 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig | None = None, *, device: str
 
 def eval_config(args: argparse.Namespace) -> EvalConfig:
     """The evaluation the `eval` flags ask for — the one place they are read (flags left out: EvalConfig's
-    defaults, the model's loop counts); a flag out of range is one line naming it."""
-    check_eval_args(None, None, args.batch_size, args.n)
+    defaults, the model's loop counts). EvalConfig checks every value (a flag out of range is one line naming it);
+    what depends on the model is checked once more where the model is known (`check_eval_config`)."""
     for name, v in (("loops", args.loops), ("max_loops", args.max_loops)):
-        if v is not None and v < 1:
+        if v is not None and v < 1:          # a flag's 0 is not the config's "the model's default"
             check_loops(v, 0, name)
-    if args.votes < 0:
-        raise UserError(f"votes must be >= 0 (got {args.votes})")
-    if not 0 < args.step_halt <= 1:
-        raise UserError(f"the step-halting threshold must be in (0, 1] (got {args.step_halt})")
     sweep = [] if args.halt_sweep is None else \
         (list(CRITERIA) if args.halt_sweep == "all" else [c.strip() for c in args.halt_sweep.split(",")])
-    for c in sweep:
-        if c not in CRITERIA:
-            raise UserError(f"unknown halting criterion {c!r} (choose from {', '.join(CRITERIA)})")
     try:
         return EvalConfig(batch_size=args.batch_size, n=args.n, loops=args.loops or 0, max_loops=args.max_loops or 0,
                           loopwise=not args.no_loopwise, halt=list(args.halt or []), halt_sweep=sweep,

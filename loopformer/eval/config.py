@@ -44,8 +44,10 @@ class EvalConfig:
                                       # stops at the first step whose stop probability reaches this (halted_*)
 
     def __post_init__(self) -> None:
-        _need(self.batch_size >= 1 and self.n >= 0 and self.loops >= 0 and self.max_loops >= 0,
-              "eval: need batch_size >= 1, n >= 0, loops >= 0 and max_loops >= 0")
+        _need(self.batch_size >= 1, f"eval.batch_size must be >= 1 (got {self.batch_size})")
+        _need(self.n >= 0, f"eval.n, the number of test rows, must be >= 0 (0: all; got {self.n})")
+        _need(self.loops >= 0 and self.max_loops >= 0,
+              f"eval.loops and eval.max_loops must be >= 0 (0: the model's; got {self.loops}, {self.max_loops})")
         try:                          # parsed once, here: `rules` is what every evaluation reads
             self.rules: list[HaltRule] = [HaltRule.parse(rule) for rule in self.halt]
         except UserError as exc:
@@ -57,7 +59,8 @@ class EvalConfig:
         _need(all(isinstance(n, int) and n >= 1 for n in self.lengths),
               f"eval.lengths must be whole numbers >= 1 (got {self.lengths})")
         _need(0 <= self.votes <= 1000, f"eval.votes must be in 0..1000 (got {self.votes})")
-        _need(0 < self.step_halt <= 1, f"eval.step_halt must be in (0, 1] (got {self.step_halt})")
+        _need(0 < self.step_halt <= 1,
+              f"eval.step_halt, the step-halting threshold, must be in (0, 1] (got {self.step_halt})")
 
 
 __all__ = ["EvalConfig"]
