@@ -1,89 +1,39 @@
 """MkDocs hooks: writes `reference/configs.md`, the reference of every config field, from the dataclasses themselves
-(names, types, defaults and the comment next to each field), so the page cannot drift from the code; and serves the
-studies' compact results and their READMEs (`studies/`, beside `docs/`) under `studies/` on the site, so that a page's
-link `../studies/...`, and a study page's link `../../docs/...`, work both in the repository and on the site (and a
-broken one fails the strict build)."""
+(names, types, defaults and the comment next to each field, read by `loopformer.configdoc`, which `loopformer config`
+prints too), so the page cannot drift from the code; and serves the studies' compact results and their READMEs
+(`studies/`, beside `docs/`) under `studies/` on the site, so that a page's link `../studies/...`, and a study page's
+link `../../docs/...`, work both in the repository and on the site (and a broken one fails the strict build)."""
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
-import inspect
-import io
 import re
-import tokenize
-import typing
 from pathlib import Path
 
 from mkdocs.structure.files import File
+
+from loopformer.configdoc import class_summary, fields_of
 
 SECTIONS = [("run", "loopformer.train.config", "RunConfig"), ("model", "loopformer.model.config", "ModelConfig"),
             ("task", "loopformer.sources.base", "TaskConfig"), ("train", "loopformer.train.config", "TrainConfig"),
             ("eval", "loopformer.eval.config", "EvalConfig"), ("log", "loopformer.train.config", "LogConfig")]
 
 
-def field_comments(cls) -> dict[str, str]:
-    """{field: its comment} from the class source: the `# ...` on the field's line and the comment-only lines aligned
-    under it; a comment-only line at the fields' own indentation (a heading over a group of fields) goes to the
-    next field that has no comment of its own."""
-    out: dict[str, str] = {}
-    current, pending = None, ""
-    src = inspect.getsource(cls)
-    lines = src.splitlines()
-    fields = {f.name for f in dataclasses.fields(cls)}
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.NAME and tok.string in fields and tok.start[1] == 4 and current != tok.string:
-            if pending and tok.string not in out:
-                out[tok.string] = pending
-                pending = ""
-        if tok.type != tokenize.COMMENT:
-            continue
-        row = tok.start[0] - 1
-        code = lines[row][:tok.start[1]].strip()
-        text = tok.string.lstrip("#").strip()
-        if code:
-            name = code.split(":")[0].strip()
-            current = name if name in fields else None
-            if current:
-                out[current] = (out[current] + " — " if current in out else "") + text
-        elif tok.start[1] > 4 and current:                   # a continuation aligned under a field's comment
-            out[current] += " " + text
-        else:                                                # a heading over the next fields
-            current, pending = None, text
-    return out
-
-
-def _default(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        return repr(f.default)
-    if f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-        return repr(value) if not dataclasses.is_dataclass(value) else "(section)"
-    return "(required)"
-
-
 def _section(lines: list[str], key: str, cls, level: str = "##") -> None:
     """The heading, the class's first doc paragraph and the table of one section (`key`: its dotted prefix, "" at the
     top level), then a table of its own for each section it holds (e.g. `train.optim`)."""
-    name = cls.__name__
-    hints = typing.get_type_hints(cls)
-    notes = field_comments(cls)
     title = "top level" if not key else f"`{key}.*`"
-    doc = cls.__dict__.get("__doc__") or ""
-    doc = "" if doc.startswith(f"{name}(") else inspect.cleandoc(doc).split("\n\n")[0].replace("\n", " ")
-    lines += [f"{level} {title} — `{name}`", "", doc, "", "| field | type | default | meaning |", "|---|---|---|---|"]
+    lines += [f"{level} {title} — `{cls.__name__}`", "", class_summary(cls), "",
+              "| field | type | default | meaning |", "|---|---|---|---|"]
     nested = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        if dataclasses.is_dataclass(hints.get(f.name)):
-            nested.append((f.name, hints[f.name]))                 # a section: a table of its own
+    for row in fields_of(cls):
+        if row.section is not None:
+            nested.append((row.key, row.section))                  # a section: a table of its own
             if key:                                                # (the run's sections: SECTIONS)
-                lines.append(f"| `{f.name}` | section | | see `{key}.{f.name}.*` below |")
+                lines.append(f"| `{row.key}` | section | | see `{key}.{row.key}.*` below |")
             continue
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        note = notes.get(f.name, "").replace("|", "\\|")
-        lines.append(f"| `{f.name}` | `{kind}` | `{_default(f)}` | {note} |")
+        note = row.meaning.replace("|", "\\|")
+        lines.append(f"| `{row.key}` | `{row.kind}` | `{row.default}` | {note} |")
     lines.append("")
     if key:
         for field, sub in nested:
@@ -98,7 +48,8 @@ def config_reference() -> str:
              "Every field of a run config, generated from the dataclasses (`loopformer.train.config.RunConfig` and the "
              "sections it holds). In YAML a field is `section: {field: value}`; on the command line a dotted "
              "override `section.field=value` (in a section of a section, `train.optim.lr=3e-4`). Unknown keys and bad "
-             "values are one-line errors naming the key.", ""]
+             "values are one-line errors naming the key. `loopformer config KEY` prints the same text for a section or "
+             "a field on the command line (with `--config FILE`, the values that config sets).", ""]
     for section, module, name in SECTIONS:
         cls = getattr(importlib.import_module(module), name)
         _section(lines, "" if section == "run" else section, cls)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 
 import yaml
@@ -115,6 +116,9 @@ def _main(argv: list[str] | None) -> int:
     except UserError as exc:
         print(f"loopformer: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:      # the reader of the output has gone (`loopformer config | head`): quietly, as the
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # shell's SIGPIPE would (no flush error)
+        return 128 + 13
     except OSError as exc:       # disk full, read-only folder, missing or unreadable file
         print(f"loopformer: error: {os_error_line(exc)}", file=sys.stderr)
         return 2

@@ -247,3 +247,45 @@ def test_training_switches_that_left_the_core_are_dropped_at_their_defaults_and_
     old.write_text(yaml.safe_dump({"train": {"losses": {"jacobian": 0.1}}}))
     with pytest.raises(UserError, match="train.losses.jacobian has left loopformer"):
         load_run_config(old, BASE)
+
+
+def test_config_command_prints_each_field_with_its_type_default_and_meaning(capsys):
+    """`loopformer config KEY` prints the fields of a section (or one field) with the comment the reference page
+    shows (read from the source), and with --config the value a config sets where it differs from the default."""
+    from loopformer.configdoc import field_comments
+
+    assert main(["config", "train.optim.grad_clip"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "train.optim.grad_clip: float = 1.0"
+    assert " ".join(line.strip() for line in out[1:]) == field_comments(OptimConfig)["grad_clip"]
+    assert field_comments(OptimConfig)["grad_clip"].startswith("max global gradient norm")
+
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "cpu" / "pointer.yaml"
+    hold = yaml.safe_load(shipped.read_text())["train"]["loops"]["hold"]
+    assert main(["config", "train.loops", "--config", str(shipped), "train.loops.min=3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[train.loops] LoopSampling — ")
+    heads = [line for line in out.splitlines() if line.startswith("train.loops.")]
+    assert [h.split(":")[0].rsplit(".", 1)[1] for h in heads] == [f for f in LoopSampling.__dataclass_fields__]
+    assert f"train.loops.hold: float = 0.0   (this config: {float(hold)})" in heads
+    assert "train.loops.min: int = 1   (this config: 3)" in heads
+    assert "train.loops.jitter: int = 0" in heads                      # the default: no value beside it
+
+    assert main(["config", "train"]) == 0                              # a section prints its sections too
+    out = capsys.readouterr().out
+    assert all(f"[train.{s}]" in out for s in ("optim", "loops", "losses", "select", "system"))
+
+
+@pytest.mark.parametrize("key, code, needle", [
+    ("train.lr", 0, "train.lr is now train.optim.lr"),
+    ("train.bogus", 2, "train has no field 'bogus'"),
+    ("train.optim.lr.x", 2, "train.optim.lr is a field, not a section"),
+    ("model.forget_gate", 2, "model.forget_gate left the library"),
+    ("train.losses.jacobian", 2, "train.losses.jacobian left the library"),
+])
+def test_config_command_names_renamed_unknown_and_removed_keys(key, code, needle, capsys):
+    assert main(["config", key]) == code
+    cap = capsys.readouterr()
+    assert needle in (cap.out if code == 0 else cap.err)
+    if code:
+        assert cap.err.count("\n") == 1 and cap.out == ""
