@@ -1,9 +1,10 @@
 """The `hf` commands (the Hugging Face stack; `loopformer.hf`):
 
     loopformer hf export RUN --out DIR [--data DIR] [--ema] [--loops N] [--halt RULE]
+    loopformer lm-eval RUN --out DIR [--tasks ppl,next_line] [--loops 1,2,4,8] [--baseline RUN] ...
 
-This module imports neither transformers nor `loopformer.hf` until a command runs (the `loopformer` command starts
-as fast without them), and names the extra to install where transformers is missing.
+This module imports neither transformers, lm_eval nor `loopformer.hf` until a command runs (the `loopformer`
+command starts as fast without them), and names the extra to install where one is missing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from loopformer.commandline import add_group, add_halt
 from loopformer.errors import UserError
 
 EXTRA = "pip install 'loopformer[hf]'"
+LMEVAL_EXTRA = "pip install 'loopformer[hf,lmeval]'"
 
 
 def register(subparsers) -> None:
@@ -37,6 +39,33 @@ def register(subparsers) -> None:
                    help="skip the comparison of the model's estimated size with the free memory")
     p.set_defaults(func=_export)
 
+    p = subparsers.add_parser(
+        "lm-eval", help="evaluate a language model with lm-evaluation-harness at several loop budgets",
+        description="Evaluate the language model of RUN with lm-evaluation-harness (lm_eval), offline, through the "
+                    "transformers class, on tasks built from its corpus (ppl: perplexity over the documents of a "
+                    "split; next_line: a four-way next-line cloze), at each loop budget of --loops; writes "
+                    "DIR/results.json, DIR/results.md, DIR/lm_eval.png (score against loops and FLOPs per token) "
+                    f"and the lm_eval task folders DIR/tasks. Needs transformers and lm_eval ({LMEVAL_EXTRA}).")
+    p.add_argument("run", metavar="RUN", help="a run folder or a checkpoint folder of a causal language model")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--tasks", default="ppl,next_line", help="comma-separated: ppl, next_line (default both)")
+    p.add_argument("--loops", default=None, metavar="LIST",
+                   help="loop budgets, comma-separated, e.g. 1,2,4,8 (default: 1, r/2, r, 2r)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="the prepared corpus to build the tasks from (default: the one the run was trained on)")
+    p.add_argument("--split", default="test", help="the corpus split (default test)")
+    p.add_argument("--items", type=int, default=200, help="next_line: the number of items (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="next_line: the seed of the items' draw (default 0)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N documents or items of each task (and no perplexity check)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--baseline", action="append", default=[], metavar="RUN",
+                   help="also evaluate this run (e.g. a standard transformer) at its trained loops (repeatable)")
+    p.add_argument("--ema", action="store_true", help="evaluate the averaged weights (ema.safetensors)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip loopformer's own perplexity beside lm_eval's (the agreement check)")
+    p.set_defaults(func=_lm_eval)
+
 
 def _export(args) -> int:
     if importlib.util.find_spec("transformers") is None:
@@ -50,6 +79,34 @@ def _export(args) -> int:
     print(f"wrote {done.folder}: AutoModelForCausalLM.from_pretrained after `import loopformer.hf`"
           + (", or with trust_remote_code=True without loopformer" if done.remote_code is None else
              f"; no remote code (the self-contained modelling file does not run {done.remote_code})"))
+    return 0
+
+
+def _need(module: str, what: str, hint: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"{what} needs {module}, which is not installed: {hint}")
+
+
+def _lm_eval(args) -> int:
+    _need("transformers", "lm-eval", LMEVAL_EXTRA)
+    _need("lm_eval", "lm-eval", LMEVAL_EXTRA)
+    try:
+        from loopformer.hf import lmeval
+    except ImportError as exc:              # a transformers outside the supported versions
+        raise UserError(" ".join(str(exc).split())) from None
+    from loopformer.eval.budgets import parse_budgets
+    from loopformer.model.io import read_config, resolve_checkpoint
+    tasks = lmeval.parse_tasks(args.tasks)
+    cfg, _ = read_config(resolve_checkpoint(args.run))
+    r = cfg.loops
+    loops = parse_budgets(args.loops if args.loops is not None else f"1,{max(1, r // 2)},{r},{2 * r}", r)
+    for flag, value in (("--items", args.items), ("--batch-size", args.batch_size), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1 (got {value})")
+    lmeval.lm_eval_run(args.run, args.out, tasks, loops, data=args.data, split=args.split, items=args.items,
+                       seed=args.seed, batch_size=args.batch_size, limit=args.limit, baselines=tuple(args.baseline),
+                       ema=args.ema, check=not args.no_check)
+    print(f"wrote {args.out}/results.json, results.md, lm_eval.png (lm_eval tasks in {args.out}/tasks)")
     return 0
 
 

