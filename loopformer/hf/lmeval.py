@@ -292,7 +292,7 @@ def lm_eval_run(run: str | Path, out: str | Path, tasks: list[str], loops: list[
     out = Path(out)
     docs = documents(np.asarray(tc.tokens(split)), tokenizer.eot_id)
     texts = [tokenizer.decode(d.tolist()) for d in docs]
-    encoded = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    encoded = [tok(t, add_special_tokens=False, verbose=False)["input_ids"] for t in texts]
     same = sum(list(e) == d.tolist() for e, d in zip(encoded, docs))
     write_tasks(out / "tasks", texts, [len(e) for e in encoded], items, seed)
 
