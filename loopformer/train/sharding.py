@@ -18,7 +18,9 @@ Checkpoints: the sharded weights, optimiser state and weight average are written
 checkpoint's `sharded/` folder (`torch.distributed.checkpoint`: one file per process and a metadata file) and read
 back on any number of processes (the planner reshards). Rank 0 also writes the full weights as `model.safetensors`
 (and `ema.safetensors`) with config.json, so `loopformer.load`, `eval` and `generate` read an FSDP run's checkpoint
-as any other; `export_sharded` rebuilds those files from `sharded/` alone, without processes.
+as any other; `export_sharded` rebuilds those files from `sharded/` alone, without processes. Rank 0 also lists the
+folder's files, tensors and identity in `sharded/manifest.json`; both readers verify the folder against it and never
+unpickle anything but DCP's own metadata classes (`loopformer.train.shard_manifest`).
 
 Evaluation and the dynamics records run on rank 0 on a replica holding the full weights, gathered once per step
 they are needed (`full_state`): an unsharded copy of the parameters on rank 0, no optimiser state.
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from loopformer.errors import UserError
+from loopformer.train.shard_manifest import read_manifest, safe_planner, safe_reader, verify, write_manifest
 
 SHARDED = "sharded"                  # the DCP folder inside a checkpoint folder
 BLOCK_METHODS = ("loop_modulation", "forward_at", "prepare")   # block methods the loop calls outside `forward`
@@ -150,26 +153,62 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: dict |
 
 
 def save_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 ema: dict | None = None) -> None:
+                 ema: dict | None = None, identity: dict | None = None) -> None:
     """Write the sharded weights, optimiser state (and weight average `ema`: {name: sharded tensor}) of every
-    process into `folder` (every process calls it with the same folder)."""
+    process into `folder` (every process calls it with the same folder). Rank 0 passes `identity` ({"id", "step"},
+    also recorded in the checkpoint's training state) and writes the folder's manifest once every shard is written
+    (`loopformer.train.shard_manifest`)."""
     import torch.distributed.checkpoint as dcp
-    dcp.save(_state(model, optimizer, ema), checkpoint_id=str(folder))
+    meta = dcp.save(_state(model, optimizer, ema), checkpoint_id=str(folder))
+    if identity is not None:
+        write_manifest(folder, meta, identity)
+
+
+def _agree(error: str | None) -> None:
+    """Raise the first process's error on every process (a process that stops alone would leave the others
+    waiting in a collective)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise UserError(error)
+
+
+def _nonfinite(groups: dict[str, dict[str, Any]]) -> str | None:
+    """The first tensor (this process's shard of it) holding a NaN or an infinity, as "group.name", or None."""
+    for group, tensors in groups.items():
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(local(t)).all()):
+                return f"{group}.{name}"
+    return None
 
 
 def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 ema: dict | None = None) -> None:
+                 ema: dict | None = None, expect: dict | None = None) -> None:
     """Read `save_sharded`'s folder into a sharded model, its optimiser (and `ema`, in place) on any number of
-    processes; a folder that is missing, incomplete or of another model is a one-line UserError."""
+    processes. The folder is verified first (its manifest's files, checksums and tensors, the identity `expect`
+    its training state records; its metadata read without unpickling anything but DCP's own classes); a folder that
+    is missing, incomplete, damaged, mixed, crafted or of another model, or weights holding NaN or infinities, is a
+    one-line UserError on every process."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    if not (folder / ".metadata").is_file():
-        raise UserError(f"cannot resume: {folder} holds no sharded checkpoint (its .metadata is missing)")
+    error, meta = None, None
+    try:
+        if not (folder / ".metadata").is_file():
+            raise UserError(f"cannot resume: {folder} holds no sharded checkpoint (its .metadata is missing)")
+        meta = verify(folder, expect)
+    except UserError as exc:
+        error = f"cannot resume: {exc}"
+    _agree(error)
     state = _state(model, optimizer, ema)
     try:
-        dcp.load(state, checkpoint_id=str(folder))
+        dcp.load(state, storage_reader=safe_reader(folder, meta), planner=safe_planner())
     except (Exception, _checkpoint_exception()) as exc:  # noqa: BLE001 - any failure to read the folder
         raise UserError(f"cannot resume from {folder}: {_first_line(exc)}") from None
+    bad = _nonfinite({"model": state["model"], **({"ema": ema} if ema is not None else {})})
+    _agree(None if bad is None else f"cannot resume from {folder}: {bad} holds NaN or infinite values (the run "
+                                    f"diverged or the shard was damaged); refusing to train on from it")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -180,27 +219,63 @@ def _first_line(exc: BaseException) -> str:
     return lines[-1][:300] if lines else type(exc).__name__
 
 
-def read_sharded(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+def checkpoint_identity(ckpt: Path) -> dict | None:
+    """The identity ({"id", "step"}) of the sharded folder that the training state of the checkpoint folder `ckpt`
+    records (None: it records none)."""
+    from loopformer.model.io import load_training_state
+    state = load_training_state(ckpt)
+    if state is None:
+        raise UserError(f"{ckpt} holds no training state, which names its sharded checkpoint")
+    if not state.get("sharded"):
+        raise UserError(f"{ckpt} was not written by a sharded run (its training state records no sharded "
+                        f"checkpoint); its weights are {ckpt / 'model.safetensors'}")
+    return state.get("shards")
+
+
+def read_sharded(folder: Path, expect: dict | None = None,
+                 shapes: dict[str, dict[str, list[int]]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Every tensor of `save_sharded`'s folder, whole, in one process without a process group:
-    {"model": {...}, "ema": {...}} (the optimiser state is left out). Errors are one-line UserErrors."""
+    {"model": {...}, "ema": {...}} (the optimiser state is left out). The folder is verified first against
+    `expect` (default: the identity the training state beside it records); with `shapes` ({"model": {name: shape},
+    "ema": {...}}) its tensors must be exactly those, checked before anything is allocated. Weights holding NaN or
+    infinities are refused. Errors are one-line UserErrors."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     if not (folder / ".metadata").is_file():
         raise UserError(f"{folder} holds no sharded checkpoint (its .metadata is missing)")
+    meta = verify(folder, checkpoint_identity(folder.parent) if expect is None else expect)
+    stored: dict[str, dict[str, TensorStorageMetadata]] = {}
+    for key, item in meta.state_dict_metadata.items():
+        group, _, name = key.partition(".")
+        if group in ("model", "ema") and isinstance(item, TensorStorageMetadata):
+            stored.setdefault(group, {})[name] = item
+    if shapes is not None:
+        for group, want in shapes.items():
+            have = {n: list(v.size) for n, v in stored.get(group, {}).items()}
+            if group == "ema" and not have:
+                continue
+            diff = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
+            if diff:
+                n = diff[0]
+                raise UserError(f"{folder} does not match its config.json: {group} {n} has shape {have.get(n)} in "
+                                f"the shards, the config asks for {want.get(n)}")
+        for group, items in stored.items():
+            for name, item in items.items():
+                if item.properties.dtype != torch.float32:
+                    raise UserError(f"{folder}: {group}.{name} is stored as {item.properties.dtype}, not float32")
+    want_t = {g: {n: torch.empty(v.size, dtype=v.properties.dtype) for n, v in items.items()}
+              for g, items in stored.items()}
     try:
-        reader = dcp.FileSystemReader(str(folder))
-        meta = reader.read_metadata()
-        want: dict[str, Any] = {}
-        for key, item in meta.state_dict_metadata.items():
-            group, _, name = key.partition(".")
-            if group in ("model", "ema") and isinstance(item, TensorStorageMetadata):
-                want.setdefault(group, {})[name] = torch.empty(item.size, dtype=item.properties.dtype)
-        dcp.load(want, storage_reader=reader, no_dist=True)
+        dcp.load(want_t, storage_reader=safe_reader(folder, meta), planner=safe_planner(), no_dist=True)
     except UserError:
         raise
     except (Exception, _checkpoint_exception()) as exc:  # noqa: BLE001 - a missing or damaged shard, a foreign folder
         raise UserError(f"cannot read the sharded checkpoint {folder}: {_first_line(exc)}") from None
-    return want
+    bad = _nonfinite(want_t)
+    if bad is not None:
+        raise UserError(f"{folder}: {bad} holds NaN or infinite values (the run diverged or the shard was damaged); "
+                        f"refusing to export it")
+    return want_t
 
 
 def export_sharded(path: str | Path, out: str | Path) -> Path:
@@ -210,13 +285,23 @@ def export_sharded(path: str | Path, out: str | Path) -> Path:
     earlier export (its config.json records `run.exported_from`); nothing else is replaced."""
     from loopformer.model.io import check_checkpoint_out, read_config, resolve_checkpoint, save_checkpoint
     from loopformer.model.looped import LoopedTransformer
+    from loopformer.model.memory import check_fits, param_count
 
     ckpt = resolve_checkpoint(path)
     if not (ckpt / SHARDED).is_dir():
         raise UserError(f"{ckpt} holds no sharded checkpoint ({SHARDED}/; written by train.system.parallel=fsdp)")
     check_checkpoint_out(out, "export", "exported_from", "choose a new folder for the exported checkpoint")
     cfg, extra = read_config(ckpt, weights=False)
-    tensors = read_sharded(ckpt / SHARDED)
+    expect = checkpoint_identity(ckpt)
+    averaged = any(k.startswith("ema.") for k in read_manifest(ckpt / SHARDED)["tensors"])
+    # config.json's sizes before anything is built: the memory of the model (and its average), then its shapes
+    check_fits({"parameters": 4 * param_count(cfg) * (2 if averaged else 1)}, "cpu", f"the model of {ckpt}",
+               skip=None)
+    with torch.device("meta"):
+        meta_model = LoopedTransformer(cfg)
+    model_shapes = {k: list(v.shape) for k, v in meta_model.state_dict().items()}
+    param_shapes = {k: list(v.shape) for k, v in meta_model.named_parameters()}
+    tensors = read_sharded(ckpt / SHARDED, expect, {"model": model_shapes, "ema": param_shapes})
     models = {}
     for group in ("model", "ema"):
         if group not in tensors:
@@ -235,5 +320,5 @@ def export_sharded(path: str | Path, out: str | Path) -> Path:
     return save_checkpoint(out, models["model"], run=run, task=extra.get("task"), ema=models.get("ema"))
 
 
-__all__ = ["SHARDED", "export_sharded", "full", "full_state", "gather_tensors", "gradient_sync", "is_sharded",
-           "load_sharded", "local", "read_sharded", "reshard", "save_sharded", "shard_model"]
+__all__ = ["SHARDED", "checkpoint_identity", "export_sharded", "full", "full_state", "gather_tensors", "gradient_sync",
+           "is_sharded", "load_sharded", "local", "read_sharded", "reshard", "save_sharded", "shard_model"]

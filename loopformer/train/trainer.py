@@ -25,6 +25,7 @@ import contextlib
 import math
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -385,7 +386,7 @@ class Trainer:
                             f"{layout})")
         if self.d.sharded:
             load_sharded(self.ckpt_dir / SHARDED, self.model, self.optimizer,
-                         None if self.ema is None else self.ema.tensors)
+                         None if self.ema is None else self.ema.tensors, expect=state.get("shards"))
         else:
             self._restore_plain(state)
         if self.scaler is not None and state.get("scaler"):
@@ -788,16 +789,20 @@ class Trainer:
         model, ema = self.full_models(step)
         sharded = self.d.sharded
 
+        # the sharded folder's identity, in its manifest and the training state: shards never mix across checkpoints
+        shards = {"id": uuid.uuid4().hex, "step": step} if sharded and self.d.main else None
+
         def write_shards(tmp: Path | None) -> None:      # every process: the sharded state into the new folder
             folder = Path(broadcast_object(self.d, None if tmp is None else str(tmp / SHARDED)))
-            save_sharded(folder, self.model, self.optimizer, None if self.ema is None else self.ema.tensors)
+            save_sharded(folder, self.model, self.optimizer, None if self.ema is None else self.ema.tensors,
+                         identity=shards)
             barrier(self.d)
 
         if self.d.main:
             save_checkpoint(self.ckpt_dir, model, run=to_dict(self.cfg), task=self.data.describe(),
                             training_state={"step": step,
                                             "optimizer": {} if sharded else self.optimizer.state_dict(),
-                                            "sharded": sharded,
+                                            "sharded": sharded, **({"shards": shards} if shards else {}),
                                             "scaler": self.scaler.state_dict() if self.scaler else None,
                                             "spikes": self.spikes.state_dict() if self.spikes else None,
                                             "keep_best": self.keeper.state_dict() if self.keeper else None,
