@@ -1,6 +1,7 @@
 """The `hf` commands (the Hugging Face stack; `loopformer.hf`):
 
     loopformer hf export RUN --out DIR [--data DIR] [--ema] [--loops N] [--halt RULE]
+    loopformer hf finetune RUN --out DIR [--rank 8 | --full] [--steps 200] [--lr LR] [--batch-size 16] [--seed 0]
     loopformer lm-eval RUN --out DIR [--tasks ppl,next_line] [--loops 1,2,4,8] [--baseline RUN] ...
 
 This module imports neither transformers, lm_eval nor `loopformer.hf` until a command runs (the `loopformer`
@@ -16,10 +17,12 @@ from loopformer.errors import UserError
 
 EXTRA = "pip install 'loopformer[hf]'"
 LMEVAL_EXTRA = "pip install 'loopformer[hf,lmeval]'"
+LORA_EXTRA = "pip install 'loopformer[hf,lora]'"
 
 
 def register(subparsers) -> None:
-    sub = add_group(subparsers, "hf", "the Hugging Face stack: export a language model for transformers",
+    sub = add_group(subparsers, "hf",
+                    "the Hugging Face stack: export a language model for transformers, fine-tune it with LoRA",
                     "Language models for the Hugging Face stack (transformers).")
     p = sub.add_parser(
         "export", help="write a run's language model as a transformers folder",
@@ -38,6 +41,27 @@ def register(subparsers) -> None:
     p.add_argument("--no-memory-check", action="store_true",
                    help="skip the comparison of the model's estimated size with the free memory")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser(
+        "finetune", help="fine-tune a language model with LoRA adapters on the shared block (or all weights)",
+        description="Fine-tune the language model of RUN on its corpus's train split through the transformers "
+                    "class: LoRA adapters (peft) on the shared block's linear maps, or every weight (--full). DIR "
+                    "gets adapter/ (peft's files), checkpoint/ (the adapters merged: every loopformer command and "
+                    "`hf export` read it) and finetune.json (trainable parameters, perplexity before and after). "
+                    f"Needs transformers and peft ({LORA_EXTRA}).")
+    p.add_argument("run", metavar="RUN", help="a run folder or a checkpoint folder of a causal language model")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank r (default 8)")
+    p.add_argument("--alpha", type=float, default=None, help="LoRA scale α: the update is (α/r)·B·A (default 2r)")
+    p.add_argument("--full", action="store_true", help="train every weight instead (the reference)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 LoRA, 3e-4 --full)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the training windows")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="the prepared corpus to train on (default: the one the run was trained on)")
+    p.add_argument("--split", default="test", help="the split whose perplexity is measured before and after")
+    p.set_defaults(func=_finetune)
 
     p = subparsers.add_parser(
         "lm-eval", help="evaluate a language model with lm-evaluation-harness at several loop budgets",
@@ -85,6 +109,22 @@ def _export(args) -> int:
 def _need(module: str, what: str, hint: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise UserError(f"{what} needs {module}, which is not installed: {hint}")
+
+
+def _finetune(args) -> int:
+    _need("transformers", "hf finetune", LORA_EXTRA)
+    if not args.full:
+        _need("peft", "hf finetune", LORA_EXTRA)
+    try:
+        from loopformer.hf.finetune import finetune
+    except ImportError as exc:              # a transformers outside the supported versions
+        raise UserError(" ".join(str(exc).split())) from None
+    res = finetune(args.run, args.out, rank=args.rank, alpha=args.alpha, full=args.full, steps=args.steps,
+                   batch_size=args.batch_size, lr=args.lr, seed=args.seed, data=args.data, split=args.split)
+    print(f"wrote {args.out}: {res['method']}, {res['trainable_parameters']:,} of {res['model_parameters']:,} "
+          f"parameters trained; {res['split']} perplexity {res['perplexity_before']:.4g} -> "
+          f"{res['perplexity_after']:.4g}")
+    return 0
 
 
 def _lm_eval(args) -> int:
