@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import textwrap
 
@@ -12,11 +13,13 @@ from loopformer.errors import UserError
 from loopformer.eval.evaluate import format_results
 from loopformer.model.config import REMOVED
 from loopformer.train.config import RENAMED, TRAIN_REMOVED, RunConfig, load_run_config
+from loopformer.train.distributed import launch_env
 from loopformer.train.run import load_for_resume
 from loopformer.train.stages import train_run
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    launch_env()                          # torchrun's variables, before anything is read or written
     config, overrides = split_items(args.items, config_required=False)
     if config is None and args.resume is None:
         raise UserError("give a config file (e.g. loopformer train configs/cpu/lcs.yaml) or --resume RUN_DIR")
@@ -28,6 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_for_resume(args.resume, overrides)
     else:
         cfg = load_run_config(config, overrides)
+    launch_env(joins=cfg.train.system.parallel == "fsdp" and "WORLD_SIZE" in os.environ)
     results = train_run(cfg, resume=args.resume is not None, progress=False if args.quiet else None,
                     overwrite=args.overwrite)
     if results is not None:

@@ -37,21 +37,61 @@ class Dist:
         return self.world > 1
 
 
+MAX_WORLD = 1 << 16          # processes a launch may name (WORLD_SIZE)
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 7):
+        raise UserError(f"the environment's {name}={raw[:40]!r} is not a process count or index (a non-negative "
+                        f"integer, as torchrun sets it); unset it or launch with torchrun")
+    return int(text)
+
+
+def launch_env(joins: bool = False) -> tuple[int, int, int]:
+    """(WORLD_SIZE, RANK, LOCAL_RANK) as torchrun set them ((1, 0, 0) when not launched by torchrun), checked before
+    any work: integers with 1 <= WORLD_SIZE <= 65,536 and both ranks below it; a launch that joins a process group
+    (WORLD_SIZE > 1, or `joins`: a sharded run even as a world of one) needs the rendezvous variables MASTER_ADDR and
+    MASTER_PORT (1..65,535). Anything else is a one-line UserError."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local = _env_int("LOCAL_RANK", 0)
+    if not 1 <= world <= MAX_WORLD:
+        raise UserError(f"the environment's WORLD_SIZE={world} must be 1..{MAX_WORLD:,} processes")
+    for name, value in (("RANK", rank), ("LOCAL_RANK", local)):
+        if value >= world:
+            raise UserError(f"the environment's {name}={value} must be below WORLD_SIZE={world}")
+    if world > 1 or joins:
+        missing = [n for n in _RENDEZVOUS if not os.environ.get(n, "").strip()]
+        if missing:
+            raise UserError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')} joins a process group, which needs "
+                            f"{' and '.join(missing)} in the environment (torchrun sets them: launch with torchrun "
+                            f"--nproc_per_node=N -m loopformer.cli train ...)")
+        port = os.environ["MASTER_PORT"].strip()
+        if not (port.isascii() and port.isdigit() and 1 <= int(port[:6]) <= 65535):
+            raise UserError(f"the environment's MASTER_PORT={port[:40]!r} must be a port number 1..65,535")
+    return world, rank, local
+
+
 def launch_rank() -> int:
-    """This process's rank as torchrun set it (`RANK`; 0 when not launched by torchrun), before any group exists."""
-    return int(os.environ.get("RANK", "0"))
+    """This process's rank as torchrun set it (`RANK`; 0 when not launched by torchrun), before any group exists;
+    the launch's environment is checked (`launch_env`)."""
+    return launch_env()[1]
 
 
 def setup(device_choice: str = "auto", sharded: bool = False) -> Dist:
     """Join the process group when launched by torchrun (once per process); pick this process's device.
-    `sharded` (train.system.parallel=fsdp) needs torchrun's launch and joins its group even as a world of one."""
+    `sharded` (train.system.parallel=fsdp) needs torchrun's launch and joins its group even as a world of one.
+    The launch's environment is checked first (`launch_env`)."""
     if sharded and "WORLD_SIZE" not in os.environ:
         raise UserError("train.system.parallel=fsdp shards the model over torchrun's processes: launch with "
                         "torchrun --nproc_per_node=N -m loopformer.cli train ... (N >= 1), or use "
                         "train.system.parallel=ddp")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = launch_rank()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    world, rank, local = launch_env(joins=sharded)
     device = pick_device(device_choice, local)
     if (world > 1 or sharded) and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -14,27 +14,40 @@ optimiser and schedule). `out_dir/stages.yaml` holds the staged config: `--resum
 on from whichever stage was interrupted, finished stages are kept. The last stage's results.json lists every stage's
 steps, time and test metrics under `stages`.
 
-Every stage's config is built and checked before anything is written; a stage sets dotted keys of the run's config
-(not `out_dir` or `stages`; `train.init_from` only in the first). A stage that changes the task keeps the model's
-fields (vocabulary, positions) of the run's config.
+Every stage's config is built and checked before anything is written or trained (`check_stages`): its keys and
+values, its model's shapes against the previous stage's (the weights it starts from), its batch against the
+processes, its task's data (folders, sizes), its evaluation section and lengths, its loop rule and the memory of its
+step. A stage sets dotted keys of the run's config (not `out_dir` or `stages`; `train.init_from` only in the first).
+A stage that changes the task keeps the model's fields (vocabulary, positions) of the run's config.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from loopformer.configio import from_dict, one_line, to_dict
+from loopformer.device import pick_device
 from loopformer.errors import UserError
+from loopformer.eval.lengths import plan_lengths
+from loopformer.eval.run import check_eval_config
 from loopformer.fileio import write_text
+from loopformer.model.config import ModelConfig
+from loopformer.model.io import check_init_from
+from loopformer.model.lengths import LoopRule, check_covers
+from loopformer.model.looped import LoopedTransformer
+from loopformer.sources import DataSource, make_data
 from loopformer.train import run
 from loopformer.train.config import RunConfig, StageConfig
-from loopformer.train.distributed import launch_rank
-from loopformer.train.trainer import train
+from loopformer.train.distributed import launch_env
+from loopformer.train.optim import steps_for
+from loopformer.train.trainer import check_memory, train
 
 
 def stage_folder(cfg: RunConfig, k: int) -> Path:
@@ -75,6 +88,68 @@ def stage_configs(cfg: RunConfig) -> list[RunConfig]:
     return out
 
 
+def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the weights a model of `cfg` holds, from the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in LoopedTransformer(cfg).state_dict().items()}
+
+
+def _check_start(prev: ModelConfig, cfg: ModelConfig) -> None:
+    """A stage's model must load the previous stage's weights (`train.init_from`): the same names and shapes, but the
+    modulation of the loops past r, which a model with `timestep_past="own"` may start without."""
+    have, want = _shapes(prev), _shapes(cfg)
+    for name, shape in want.items():
+        if name in have and have[name] != shape:
+            raise UserError(f"its model cannot start from the previous stage's weights: {name} has shape "
+                            f"{list(have[name])} there, {list(shape)} here (a stage keeps the model's sizes)")
+    missing = [n for n in want if n not in have and not n.endswith(("past_modulation", "past_injection"))]
+    extra = [n for n in have if n not in want]
+    if missing or extra:
+        raise UserError(f"its model cannot start from the previous stage's weights: missing {missing[:3]}, "
+                        f"unexpected {extra[:3]}")
+
+
+def check_stage(cfg: RunConfig, prev: RunConfig | None, world: int, data: dict[str, DataSource]) -> None:
+    """The checks the trainer makes at its start, made for one stage before any stage trains: the weights it starts
+    from (shapes against `prev`, the previous stage), its batch against the `world` processes, its data (`data`
+    caches the sources by task), its evaluation section and lengths, its loop rule and the memory of its step."""
+    tc = cfg.train
+    launch_env(joins=tc.system.parallel == "fsdp")
+    if tc.batch_size % (world * tc.grad_accum):
+        raise UserError(f"train.batch_size={tc.batch_size} must be divisible by processes × grad_accum = "
+                        f"{world} × {tc.grad_accum}")
+    if prev is not None:
+        _check_start(prev.model, cfg.model)
+    elif tc.init_from:
+        check_init_from(tc.init_from, cfg.model)
+    key = json.dumps(to_dict(cfg.task), sort_keys=True, default=str)
+    if key not in data:
+        data[key] = make_data(cfg.task)
+    source = data[key]
+    check_eval_config(cfg.eval, cfg.model.total_loops)
+    if cfg.eval.votes:
+        source.check_votes()
+    steps_for(tc.steps, tc.epochs, source.n_train, tc.batch_size)
+    check_covers(LoopRule.parse(cfg.model.loop_rule), cfg.model.loops, source.largest_size())
+    if cfg.eval.lengths:
+        plan_lengths(source, cfg.model, cfg.eval.lengths, loops=cfg.eval.loops, max_loops=cfg.eval.max_loops,
+                     limit=cfg.eval.n)
+    if cfg.memory_check:
+        check_memory(cfg, pick_device(cfg.device, launch_env()[2]), world)
+
+
+def check_stages(cfg: RunConfig, cfgs: list[RunConfig]) -> None:
+    """Every stage of `cfg` (`cfgs`, from `stage_configs`) checked by `check_stage` before any trains: a stage
+    that would fail at its start is one line naming it, before the first stage's first step."""
+    world = launch_env()[0]
+    data: dict[str, DataSource] = {}
+    for k, sc in enumerate(cfgs, 1):
+        try:
+            check_stage(sc, cfgs[k - 2] if k > 1 else None, world, data)
+        except UserError as e:
+            raise UserError(f"{_label(k, cfg.stages[k - 1])}: {e}") from None
+
+
 def _start(cfg: RunConfig, resume: bool, overwrite: bool) -> None:
     """Make `out_dir` ready for the staged run (rank 0): refuse a folder that holds a run or other files unless
     `overwrite` (which deletes only an earlier staged run's stages), then write stages.yaml."""
@@ -103,8 +178,9 @@ def run_stages(cfg: RunConfig, *, resume: bool = False, progress: bool | None = 
                on_step: Callable[[int], None] | None = None) -> dict:
     """Train every stage of `cfg` in turn (finished ones kept, an interrupted one resumed); returns the last stage's
     results with a `stages` summary (also in out_dir/results.json)."""
-    cfgs = stage_configs(cfg)                 # every stage checked before anything is written
-    main = launch_rank() == 0
+    cfgs = stage_configs(cfg)                 # every stage built and checked before anything is written
+    check_stages(cfg, cfgs)
+    main = launch_env()[1] == 0
     if main:
         _start(cfg, resume, overwrite)
     summary, results = [], {}
@@ -128,4 +204,4 @@ def train_run(cfg: RunConfig, **kwargs) -> dict:
     return run_stages(cfg, **kwargs) if cfg.stages else train(cfg, **kwargs)
 
 
-__all__ = ["stage_folder", "stage_configs", "run_stages", "train_run"]
+__all__ = ["check_stage", "check_stages", "stage_folder", "stage_configs", "run_stages", "train_run"]

@@ -264,6 +264,20 @@ def train(cfg: RunConfig, *, resume: bool = False, on_step: Callable[[int], None
         teardown()
 
 
+def check_memory(cfg: RunConfig, device: torch.device, world: int = 1) -> None:
+    """Refuse, in one line, a step whose estimated memory (one micro-batch at the deepest loop count the run
+    trains, on each of `world` processes) exceeds what `device` has available."""
+    tc = cfg.train
+    half = autocast_for(cfg, device)[0] is not contextlib.nullcontext
+    hi = max(cfg.model.loops, tc.loops.budget_range(cfg.model.loops)[1] if tc.loops.samples_budgets else 0) \
+        + tc.loops.jitter
+    check_fits(estimate(cfg.model.replace(loops=hi), batch=max(1, tc.batch_size // (world * tc.grad_accum)),
+                        training=True, read_outs=loss_loops(tc.losses, hi) or 1, ema=tc.select.ema_decay > 0,
+                        act_bytes=2 if half else 4), device,
+               "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
+                                "or set model.checkpoint=true")
+
+
 class Trainer:
     """One process's training state: data, model (and its DDP / compiled wrapper), optimiser, gradient scaler,
     the open log window, and the run folder it writes (rank 0)."""
@@ -337,17 +351,7 @@ class Trainer:
             self._restore()
 
     def _check_memory(self) -> None:
-        """Refuse, in one line, a step whose estimated memory (one micro-batch at the deepest loop count the run
-        trains) exceeds what this process's device has available."""
-        cfg, d, tc = self.cfg, self.d, self.cfg.train
-        half = self.autocast is not contextlib.nullcontext
-        hi = max(cfg.model.loops, tc.loops.budget_range(cfg.model.loops)[1] if tc.loops.samples_budgets else 0) \
-            + tc.loops.jitter
-        check_fits(estimate(cfg.model.replace(loops=hi), batch=self.B // (d.world * tc.grad_accum), training=True,
-                            read_outs=loss_loops(tc.losses, hi) or 1, ema=tc.select.ema_decay > 0,
-                            act_bytes=2 if half else 4), d.device,
-                   "training", hint="lower the model's sizes or train.batch_size (or raise train.grad_accum), "
-                                    "or set model.checkpoint=true")
+        check_memory(self.cfg, self.d.device, self.d.world)
 
     def _start_window(self) -> None:
         """The run's outputs, the log window and the latest step's record, empty (`open_log` fills them)."""
@@ -851,4 +855,4 @@ class Trainer:
         return broadcast_object(d, results)
 
 
-__all__ = ["train", "Trainer", "autocast_for", "dynamics_record", "nonfinite_parameter"]
+__all__ = ["train", "Trainer", "autocast_for", "check_memory", "dynamics_record", "nonfinite_parameter"]
