@@ -1,6 +1,6 @@
 """The `hf` commands (the Hugging Face stack; `loopformer.hf`):
 
-    loopformer hf export RUN --out DIR [--data DIR] [--ema] [--loops N] [--halt RULE]
+    loopformer hf export RUN --out DIR [--data DIR] [--ema] [--loops N] [--halt RULE] [--quant int8]
     loopformer hf finetune RUN --out DIR [--rank 8 | --full] [--steps 200] [--lr LR] [--batch-size 16] [--seed 0]
     loopformer lm-eval RUN --out DIR [--tasks ppl,next_line] [--loops 1,2,4,8] [--baseline RUN] ...
 
@@ -40,6 +40,9 @@ def register(subparsers) -> None:
     add_halt(p)
     p.add_argument("--no-memory-check", action="store_true",
                    help="skip the comparison of the model's estimated size with the free memory")
+    p.add_argument("--quant", default=None, metavar="int8",
+                   help="store the shared block's linear maps int8 weight-only (torchao: pip install "
+                        "'loopformer[hf,quant]'); from_pretrained loads them quantized")
     p.set_defaults(func=_export)
 
     p = sub.add_parser(
@@ -99,7 +102,7 @@ def _export(args) -> int:
     except ImportError as exc:              # a transformers outside the supported versions
         raise UserError(" ".join(str(exc).split())) from None
     done = export(args.run, args.out, data=args.data, ema=args.ema, loops=args.loops, halt=args.halt,
-                  memory_check=not args.no_memory_check)
+                  memory_check=not args.no_memory_check, quant=args.quant)
     print(f"wrote {done.folder}: AutoModelForCausalLM.from_pretrained after `import loopformer.hf`"
           + (", or with trust_remote_code=True without loopformer" if done.remote_code is None else
              f"; no remote code (the self-contained modelling file does not run {done.remote_code})"))

@@ -1,7 +1,8 @@
 """The `loopformer eval` command: a checkpoint's test metrics and its metric after every loop (paper Table 2); with
 `--halt RULE` (repeatable) or `--halt-sweep CRITERIA` also adaptive depth: accuracy, loops used and wall time next
 to fixed depth (`loopformer.eval.halting`); with `--budgets 1,2,4,...` the metric when run with each loop budget,
-next to other runs (`--against`; `loopformer.eval.budgets`)."""
+next to other runs (`--against`; `loopformer.eval.budgets`); with `--quant int8` the shared block quantized
+weight-only, loop by loop to 4r beside full precision with the drift verdict of each (`loopformer.eval.quant`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from loopformer.eval.drift import drift_table
 from loopformer.eval.evaluate import format_results
 from loopformer.eval.halting import format_halting, sweep_plot
 from loopformer.eval.lengths import format_lengths, lengths_plot, parse_lengths
+from loopformer.eval.quant import KINDS, check_kind, profile_table, quantize_block
 from loopformer.eval.run import EXTRAS, check_eval_config, evaluate_all
 from loopformer.fileio import check_figure_path, write_json
 from loopformer.model.halting import CRITERIA
@@ -54,14 +56,14 @@ def other_data(task_cfg: TaskConfig, recorded: dict, data_dir: str | None, task_
 def evaluate_checkpoint(path: str, cfg: EvalConfig | None = None, *, device: str = "auto", ema: bool = False,
                         timestep_past: str | None = None, data_dir: str | None = None,
                         task_opts: dict | None = None, against: list[str] | None = None,
-                        progress: bool = True) -> dict:
+                        progress: bool = True, quant: str | None = None) -> dict:
     """Load a checkpoint (or run folder), rebuild its task's test split and evaluate it as `cfg` asks
     (`loopformer.eval.run.evaluate_all`: loop-wise, "halting", "halting_sweep", "budgets"). `timestep_past`
     overrides the model's behaviour past its trained loops; `ema`: the averaged weights. `data_dir` / `task_opts`:
     evaluate on another dataset folder of the task, or on a test split regenerated with other task options
     (`other_data`); results["data"] names the data. With `cfg.budgets`, results["budgets"] is {name:
     `evaluate_budgets` result}: this checkpoint first, then each of `against` (checkpoints of the same task, on the
-    same data)."""
+    same data). `quant`: the shared block quantized weight-only (`loopformer.eval.quant`, "int8" or "int4")."""
     cfg = cfg or EvalConfig(drift=False)
     if against and not cfg.budgets:
         raise UserError("--against compares loop budgets: give --budgets too")
@@ -77,6 +79,8 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig | None = None, *, device: str
         task_cfg = other_data(task_cfg, extra.get("task") or {}, data_dir, task_opts)
     dev = pick_device(device)
     model = load(p, device=dev, ema=ema, **({"timestep_past": timestep_past} if timestep_past else {}))
+    if quant:
+        model = quantize_block(model, quant, inplace=True)
     data = make_data(task_cfg)
     if elsewhere:
         check_data_fits(data, task_cfg, model.config)
@@ -174,6 +178,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError(f"--plot draws one figure: give one of {', '.join(drawn)}")
     if args.plot:
         check_figure_path(args.plot)
+    if args.quant:
+        check_kind(args.quant)
+        if args.against or args.budgets or cfg.lengths or cfg.halt or cfg.halt_sweep:
+            raise UserError("--quant compares the loop-wise curve and the drift verdict; give it without --budgets, "
+                            "--against, --lengths and halting rules")
+        cfg = dataclasses.replace(cfg, drift=True)
     res = evaluate_checkpoint(args.checkpoint, cfg, device=args.device, ema=args.ema, timestep_past=args.past_r,
                               data_dir=args.data,
                               task_opts=parse_options(args.task_opt, "--task-opt") if args.task_opt else None,
@@ -188,6 +198,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
               f"{d.get('n_test')} test rows)")
     print(format_results(res["metric"], res["metrics"], res["loopwise"], res["trained_loops"], res["stepwise"]))
     print_extras(res)
+    if args.quant:
+        q = evaluate_checkpoint(args.checkpoint, cfg, device=args.device, ema=args.ema, timestep_past=args.past_r,
+                                data_dir=args.data,
+                                task_opts=parse_options(args.task_opt, "--task-opt") if args.task_opt else None,
+                                progress=not args.quiet, quant=args.quant)
+        res["quant"] = {"kind": args.quant, "metrics": q["metrics"], "drift": q["drift"]}
+        print(f"\n{profile_table(args.quant, res['drift'], q['drift'])}")
     if args.plot:
         draw(res, args.plot)
     if args.json:
@@ -231,6 +248,10 @@ def register(subparsers) -> None:
                    help="also the metric at each of these input lengths (comma-separated, e.g. 8,16,32,64), the task "
                         "regenerated at each with the model's loops T(n) (its loop rule; --loops: that many), and "
                         "against loops up to 2·T(n) (--max-loops: that many)")
+    p.add_argument("--quant", choices=None, metavar="KIND",
+                   help=f"also the shared block quantized weight-only ({', '.join(KINDS)}; torchao: pip install "
+                        "'loopformer[quant]'): the metric after every loop to 4r beside full precision and the drift "
+                        "verdict of each")
     p.add_argument("--plot", metavar="FILE", help="draw the --halt-sweep, the --budgets or the --lengths (PNG)")
     p.add_argument("--past-r", choices=["continue", "clamp", "hold"], default=None,
                    help="the timestep encoding's loop index past the trained loops: continue the sinusoid, clamp to "

@@ -9,6 +9,10 @@
                                   the self-contained modelling code for `trust_remote_code=True` (where loopformer
                                   is not installed); left out, with the reason, for a model it does not run
 
+With `quant="int8"` (`--quant int8`) the shared block's linear maps are stored int8 weight-only through
+transformers' torchao quantizer (`TorchAoConfig` in config.json's quantization_config; everything else as it is),
+and `from_pretrained(DIR)` loads them quantized (`loopformer.eval.quant`; the extra `quant`).
+
 `AutoModelForCausalLM.from_pretrained(DIR)` loads the folder after `import loopformer.hf`,
 `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` without loopformer, and
 `AutoTokenizer.from_pretrained(DIR)` its tokenizer. The folder is written next to DIR and renamed into place; DIR
@@ -22,9 +26,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers.utils import logging as hf_logging
 
 from loopformer.errors import UserError
+from loopformer.eval.quant import block_maps, check_kind
+from loopformer.eval.quant import config as quant_config
 from loopformer.fileio import check_owned_folder, new_folder
 from loopformer.hf import configuration_loopformer, modeling_loopformer
 from loopformer.hf.model import LoopformerForCausalLM, hf_config
@@ -65,17 +72,23 @@ def check_out(out: str | Path) -> None:
 
 
 def export(run: str | Path, out: str | Path, data: str | Path | None = None, ema: bool = False,
-           loops: int | None = None, halt: str | None = None, memory_check: bool = True) -> Export:
+           loops: int | None = None, halt: str | None = None, memory_check: bool = True,
+           quant: str | None = None) -> Export:
     """Write the transformers folder `out` of the language model in `run` (a run folder or a checkpoint folder);
     see the module docstring. `data`: the prepared corpus whose tokenizer to save (default: the one the run was
     trained on); `ema`: the averaged weights; `loops`, `halt`: the loop count and halting rule calls use when they
-    name none (config.inference_loops, config.halt)."""
+    name none (config.inference_loops, config.halt); `quant`: "int8" stores the shared block int8 weight-only."""
     ckpt = resolve_checkpoint(run)
     cfg, _ = read_config(ckpt)
     config = hf_config(cfg, inference_loops=loops, halt=halt)       # refuses a model that is no causal LM
     check_loops(loops, cfg.loops)
     if halt is not None:
         HaltRule.parse(halt)
+    if quant is not None:
+        if quant != "int8":
+            raise UserError(f"hf export --quant takes int8 (got {quant!r}); int4 is measured by eval --quant int4 "
+                            f"but torchao stores it unpacked on CPU (no smaller file)")
+        check_kind(quant)
     check_out(out)
     corpus = data if data is not None else checkpoint_data_dir(str(ckpt))
     if corpus is None:
@@ -99,6 +112,8 @@ def export(run: str | Path, out: str | Path, data: str | Path | None = None, ema
     try:
         with new_folder(out) as tmp:
             hf.save_pretrained(tmp)
+            if quant is not None:
+                quantized(tmp, quant)
             fast.save_pretrained(tmp)
             if remote is None:
                 for mod in CODE:
@@ -107,6 +122,21 @@ def export(run: str | Path, out: str | Path, data: str | Path | None = None, ema
         if bars:
             hf_logging.enable_progress_bar()
     return Export(Path(out), remote)
+
+
+def quantized(folder: Path, kind: str) -> None:
+    """Rewrite the model saved in `folder` with the shared block's linear maps quantized (`kind`) through
+    transformers' torchao quantizer, which records itself in config.json so `from_pretrained` loads it quantized."""
+    from transformers import TorchAoConfig
+    model = LoopformerForCausalLM.from_pretrained(folder)
+    keep = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and n not in set(block_maps(model, prefix="model."))]
+    q = LoopformerForCausalLM.from_pretrained(folder, quantization_config=TorchAoConfig(
+        quant_config(kind), modules_to_not_convert=keep))
+    if getattr(model.config, "auto_map", None):
+        q.config.auto_map = model.config.auto_map
+    (folder / "model.safetensors").unlink()
+    q.save_pretrained(folder)
 
 
 __all__ = ["export", "check_out", "Export", "AUTO_MAP", "WRITTEN"]
