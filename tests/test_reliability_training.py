@@ -5,14 +5,33 @@ stop a resume in one line. Each case: one line, exit status 2, nothing the user 
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
-from test_reliability_outside import digest
+import torch
+from conftest import Killed
+from safetensors.torch import load_file, save_file
+from test_reliability_outside import digest as digest_all
 from test_stages import BASE
 
 from loopformer.cli import main
-from loopformer.train.trainer import Trainer
+from loopformer.train.config import load_run_config
+from loopformer.train.trainer import Trainer, train
 
 STAGE1 = "{name: learn, set: {train.optim.lr: 0.003}}"
+
+
+def digest(folder: Path) -> str:
+    """Every file under `folder`, but the lock's holder (the process id a resume writes into a run's `.lock`)."""
+    locks = {p: p.read_bytes() for p in folder.rglob(".lock") if p.is_file()}
+    for p in locks:
+        p.unlink()
+    try:
+        return digest_all(folder)
+    finally:
+        for p, held in locks.items():
+            p.write_bytes(held)
 
 
 def one_line(capsys, needle: str) -> str:
@@ -99,3 +118,86 @@ def test_a_hostile_launch_environment_is_one_line_before_any_work(tmp_path, caps
                  f"out_dir={tmp_path / 'staged'}"]) == 2
     one_line(capsys, needle)
     assert no_steps == [] and digest(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------------------ selection state
+SELECT = [*BASE, "task.n_val=24", "train.select.keep_best=true", "train.eval_every=1", "train.steps=4",
+          "train.select.ema_decay=0.9", "train.select.skip_spikes=4"]
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> Path:
+    """A run keeping its best weights and a weight average, stopped after step 2's checkpoint."""
+    out = tmp_path_factory.mktemp("select") / "run"
+
+    def stop(done: int) -> None:
+        if done == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(load_run_config(None, [*SELECT, f"out_dir={out}"]), on_step=stop, progress=False)
+    assert (out / "checkpoint" / "best.safetensors").is_file()
+    return out
+
+
+def _rewrite(f: Path, change) -> None:
+    weights = load_file(str(f))
+    change(weights)
+    save_file(weights, str(f))
+
+
+def _nan(weights: dict) -> None:
+    k = sorted(weights)[0]
+    weights[k] = weights[k].clone()
+    weights[k].view(-1)[0] = float("nan")
+
+
+def _other_shape(weights: dict) -> None:
+    weights["head.proj.weight"] = torch.zeros(3, 5)
+
+
+def _state(change) -> callable:
+    def damage(ckpt: Path) -> None:
+        state = torch.load(ckpt / "training_state.pt", weights_only=True)
+        change(state)
+        torch.save(state, ckpt / "training_state.pt")
+    return damage
+
+
+DAMAGE = {
+    "best-truncated": (lambda c: (c / "best.safetensors").write_bytes((c / "best.safetensors").read_bytes()[:-64]),
+                       "best.safetensors is truncated or corrupt"),
+    "best-header-garbage": (lambda c: (c / "best.safetensors").write_bytes(b"\xff" * 64), "truncated or corrupt"),
+    "best-missing": (lambda c: (c / "best.safetensors").unlink(), "best.safetensors is missing"),
+    "best-of-another-shape": (lambda c: _rewrite(c / "best.safetensors", _other_shape),
+                              "does not hold this model's weights (head.proj.weight"),
+    "best-holding-nan": (lambda c: _rewrite(c / "best.safetensors", _nan), "holds NaN or infinite values"),
+    "score-high": (_state(lambda s: s["keep_best"].update(score="high")), "keep_best holds score 'high'"),
+    "score-nan": (_state(lambda s: s["keep_best"].update(score=float("nan"))), "keep_best holds score nan"),
+    "step-past-the-checkpoint": (_state(lambda s: s["keep_best"].update(step=99)), "step 99"),
+    "record-not-a-dict": (_state(lambda s: s.update(keep_best="best")), "keep_best is not a record"),
+    "spike-guard-crafted": (_state(lambda s: s.update(spikes={"acc": "x"})), "spike guard"),
+    "average-truncated": (lambda c: (c / "ema.safetensors").write_bytes((c / "ema.safetensors").read_bytes()[:-64]),
+                          "ema.safetensors is truncated or corrupt"),
+    "average-holding-nan": (lambda c: _rewrite(c / "ema.safetensors", _nan), "holds NaN or infinite values"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_or_crafted_selection_state_stops_a_resume_in_one_line(stopped, tmp_path, capsys, no_steps, case):
+    damage, needle = DAMAGE[case]
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    damage(run / "checkpoint")
+    before = digest(run)
+    assert main(["train", "--resume", str(run), "--quiet"]) == 2
+    one_line(capsys, needle)
+    assert no_steps == [] and digest(run) == before
+
+
+def test_whole_selection_state_resumes_to_the_end(stopped, tmp_path, capsys, no_steps):
+    """The reference: the untouched copy resumes (steps 3 and 4) and selects its best weights."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert no_steps == [2, 3]

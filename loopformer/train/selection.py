@@ -21,10 +21,15 @@ full model on one process).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from loopformer.errors import UserError
 
 BEST_WEIGHTS = "best.safetensors"
 
@@ -85,13 +90,58 @@ class BestKeeper:
         if self.weights is not None:
             save_file({k: v.contiguous() for k, v in self.weights.items()}, str(Path(folder) / BEST_WEIGHTS))
 
-    def load(self, folder: Path, state: dict | None) -> None:
-        """Score, step and weights from a checkpoint `folder` and its training state's entry `state`."""
-        if not state or state.get("score") is None:
+    def load(self, folder: Path, state: Any, model: torch.nn.Module | None = None, at: int | None = None) -> None:
+        """Score, step and weights from a checkpoint `folder` and its training state's entry `state`, checked first:
+        a score that is not a finite number, a step past the checkpoint's (`at`), a `best.safetensors` that is
+        missing, truncated, holds NaN or infinities, or whose tensors are not `model`'s (names, shapes, dtypes) is
+        a one-line UserError and nothing is loaded."""
+        if state is None:
             return
-        self.score, self.step = float(state["score"]), int(state["step"])
-        self.tie = None if state.get("tie") is None else float(state["tie"])
-        self.weights = load_file(str(Path(folder) / BEST_WEIGHTS))
+        where = Path(folder) / BEST_WEIGHTS
+        if not isinstance(state, dict):
+            raise UserError(f"cannot resume from {folder}: its training state's keep_best is not a record of the "
+                            f"best weights (got {type(state).__name__})")
+        if state.get("score") is None:
+            return
+        score, step, tie = state.get("score"), state.get("step"), state.get("tie")
+        if not (_number(score) and (tie is None or _number(tie)) and type(step) is int and step >= 0
+                and (at is None or step <= at)):
+            raise UserError(f"cannot resume from {folder}: its training state's keep_best holds score {score!r:.40}, "
+                            f"step {step!r:.40}, tie {tie!r:.40} (a finite score and tie, a step of the run)")
+        if where.is_symlink() or not where.is_file():
+            raise UserError(f"cannot resume from {folder}: its training state keeps best weights from step {step} "
+                            f"but {where} is missing")
+        from loopformer.model.io import safetensors_complete
+        if not safetensors_complete(where):
+            raise UserError(f"cannot resume from {folder}: {where} is truncated or corrupt")
+        try:
+            weights = load_file(str(where))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise UserError(f"cannot resume from {folder}: {where} is truncated or corrupt "
+                            f"({(str(exc).splitlines() or [''])[0][:120]})") from None
+        if model is not None:
+            want = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+            have = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
+            diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+            if diff:
+                k = diff[0]
+                raise UserError(f"cannot resume from {folder}: {where} does not hold this model's weights ({k}: "
+                                f"{_shape(have.get(k))} there, {_shape(want.get(k))} in the model)")
+        bad = next((k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())),
+                   None)
+        if bad is not None:
+            raise UserError(f"cannot resume from {folder}: {where} holds NaN or infinite values ({bad}); refusing "
+                            f"to select it")
+        self.score, self.step, self.tie = float(score), step, None if tie is None else float(tie)
+        self.weights = weights
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _shape(entry: tuple | None) -> str:
+    return "missing" if entry is None else f"{list(entry[0])} {str(entry[1]).removeprefix('torch.')}"
 
 
 __all__ = ["BestKeeper", "BEST_WEIGHTS", "held_score"]

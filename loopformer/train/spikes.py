@@ -21,6 +21,9 @@ synchronisation per step).
 from __future__ import annotations
 
 import math
+from typing import Any
+
+from loopformer.errors import UserError
 
 
 class SpikeGuard:
@@ -65,7 +68,16 @@ class SpikeGuard:
     def state_dict(self) -> dict:
         return {"acc": self.acc, "seen": self.seen, "skipped": self.skipped}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Any) -> None:
+        """The guard's state from a checkpoint's training state; anything but its own record (finite non-negative
+        numbers: the average, the steps seen and skipped) is a one-line UserError."""
+        ok = isinstance(state, dict) and all(
+            isinstance(state.get(k), (int, float)) and not isinstance(state.get(k), bool)
+            and math.isfinite(state[k]) and state[k] >= 0 for k in ("acc", "seen", "skipped")) \
+            and all(float(state[k]).is_integer() for k in ("seen", "skipped"))
+        if not ok:
+            raise UserError(f"the training state's spike guard (train.select.skip_spikes) is not its record: "
+                            f"{str(state)[:80]}")
         self.acc, self.seen, self.skipped = float(state["acc"]), int(state["seen"]), int(state["skipped"])
 
 

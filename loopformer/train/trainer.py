@@ -395,10 +395,13 @@ class Trainer:
             self._restore_plain(state)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        if self.spikes is not None and state.get("spikes"):
-            self.spikes.load_state_dict(state["spikes"])
+        if self.spikes is not None and state.get("spikes") is not None:
+            try:
+                self.spikes.load_state_dict(state["spikes"])
+            except UserError as exc:
+                raise UserError(f"cannot resume from {self.ckpt_dir}: {exc}") from None
         if self.keeper is not None:
-            self.keeper.load(self.ckpt_dir, state.get("keep_best"))
+            self.keeper.load(self.ckpt_dir, state.get("keep_best"), self.model, at=int(state["step"]))
         self.start, self.state = int(state["step"]), state
         if self.start >= self.total and run.results_done(self.run_dir, self.start):
             self.finished = True
