@@ -8,6 +8,7 @@ MASTER_PORT), the sharded checkpoints are written by two processes under torchru
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -145,9 +146,8 @@ def test_a_planted_metadata_pickle_runs_nothing(shards, tmp_path, capsys, monkey
     (sharded / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
     if manifest_too:
         m = json.loads((sharded / MANIFEST).read_text())
-        m["files"][".metadata"] = {"bytes": (sharded / ".metadata").stat().st_size,
-                                   "sha256": __import__("hashlib").sha256(
-                                       (sharded / ".metadata").read_bytes()).hexdigest()}
+        raw = (sharded / ".metadata").read_bytes()
+        m["files"][".metadata"] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
         (sharded / MANIFEST).write_text(json.dumps(m))
     refused(capsys, monkeypatch, run, tmp_path, "is refused: posix.system" if manifest_too else "its manifest")
     assert not marker.exists()
@@ -252,3 +252,32 @@ def test_export_checks_config_sizes_before_building_a_model(shards, tmp_path, ca
     monkeypatch.setattr(looped.LoopedTransformer, "__init__", spy)
     refused(capsys, monkeypatch, run, tmp_path, needle, resumed=False)
     assert "cpu" not in built
+
+
+def test_two_processes_stop_together_on_a_shard_only_one_of_them_reads(shards, tmp_path):
+    """Under torchrun with 2 processes: a NaN in the part of a weight that rank 1 holds, and a planted `.metadata`
+    with its manifest made to match, each stop both processes with the one-line error (no process left waiting in
+    a collective), and the marker never exists."""
+    run = copy_run(shards, tmp_path)
+    sharded = run / "checkpoint" / "sharded"
+    t = tensor_item(sharded, "model.head.proj.weight").clone()
+    t.view(-1)[-1] = float("inf")
+    replace_item(sharded, "model.head.proj.weight", saved(t))
+    before = digest(run)
+    proc = torchrun(shards, 2, "-m", "loopformer.cli", "train", "--resume", str(run), "--quiet", ok=False)
+    assert proc.returncode != 0 and "loopformer: error: cannot resume from" in proc.stderr
+    assert "model.head.proj.weight holds NaN or infinite values" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("loopformer: error:")[0]          # torchrun's own report comes after
+    assert digest(run) == before
+
+    run2 = tmp_path / "planted"
+    shutil.copytree(shards / "a", run2)
+    marker = tmp_path / "ran"
+    (run2 / "checkpoint" / "sharded" / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    rewrite_files = json.loads((run2 / "checkpoint" / "sharded" / MANIFEST).read_text())
+    raw = (run2 / "checkpoint" / "sharded" / ".metadata").read_bytes()
+    rewrite_files["files"][".metadata"] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (run2 / "checkpoint" / "sharded" / MANIFEST).write_text(json.dumps(rewrite_files))
+    proc = torchrun(shards, 2, "-m", "loopformer.cli", "train", "--resume", str(run2), "--quiet", ok=False)
+    assert proc.returncode != 0 and "is refused: posix.system" in proc.stderr
+    assert not marker.exists()
