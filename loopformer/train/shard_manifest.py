@@ -130,7 +130,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return data
 
 
-def _check_files(folder: Path, manifest: dict[str, Any]) -> None:
+def _check_files(folder: Path, manifest: dict[str, Any], checksums: bool = True) -> None:
     listed = set(manifest["files"])
     try:
         present = {p.name for p in folder.iterdir()} - {MANIFEST}
@@ -148,7 +148,7 @@ def _check_files(folder: Path, manifest: dict[str, Any]) -> None:
         size = p.stat().st_size
         if size != rec["bytes"]:
             raise UserError(f"{p} is truncated or damaged: {size:,} bytes, its manifest lists {rec['bytes']:,}")
-        if _sha256(p) != rec["sha256"]:
+        if checksums and _sha256(p) != rec["sha256"]:
             raise UserError(f"{p} does not match its manifest's checksum: a damaged shard or one of another "
                             f"checkpoint")
 
@@ -223,14 +223,18 @@ def _check_metadata(folder: Path, meta: Any, manifest: dict[str, Any]) -> None:
         raise UserError(f"{f} does not list the tensors of its manifest")
 
 
-def verify(folder: Path, expect: dict[str, Any] | None) -> Any:
+def verify(folder: Path, expect: dict[str, Any] | None, checksums: bool = True) -> Any:
     """The checked DCP Metadata of the sharded folder `folder` (see the module docstring). `expect`: the identity
-    ({"id", "step"}) the checkpoint's training state records; a folder of another identity is refused."""
+    ({"id", "step"}) the checkpoint's training state records; a folder of another identity is refused. Without
+    `checksums` the files' contents are not hashed (the processes of one resume share the folder: one of them
+    hashes it, every one checks the rest); `.metadata`'s own checksum is always checked."""
     manifest = read_manifest(folder)
     if not isinstance(expect, dict) or (manifest["id"], manifest["step"]) != (expect.get("id"), expect.get("step")):
         raise UserError(f"{folder} belongs to another checkpoint (its manifest's identity is not the one its training "
                         f"state records): shards of different checkpoints are never mixed")
-    _check_files(folder, manifest)
+    _check_files(folder, manifest, checksums)
+    if not checksums and _sha256(folder / METADATA) != manifest["files"][METADATA]["sha256"]:
+        raise UserError(f"{folder / METADATA} does not match its manifest's checksum")
     meta = _load_metadata(folder)
     _check_metadata(folder, meta, manifest)
     return meta

@@ -197,7 +197,8 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     try:
         if not (folder / ".metadata").is_file():
             raise UserError(f"cannot resume: {folder} holds no sharded checkpoint (its .metadata is missing)")
-        meta = verify(folder, expect)
+        # every process checks the manifest and reads the metadata; rank 0 hashes the shards for all
+        meta = verify(folder, expect, checksums=not dist.is_initialized() or dist.get_rank() == 0)
     except UserError as exc:
         error = f"cannot resume: {exc}"
     _agree(error)
