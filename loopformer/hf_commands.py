@@ -2,6 +2,7 @@
 
     loopformer hf export RUN --out DIR [--data DIR] [--ema] [--loops N] [--halt RULE] [--quant int8]
     loopformer hf finetune RUN --out DIR [--rank 8 | --full] [--steps 200] [--lr LR] [--batch-size 16] [--seed 0]
+    loopformer push RUN --repo ORG/NAME [--private] [--ema] [--loops N] [--halt RULE] [--quant int8]
     loopformer lm-eval RUN --out DIR [--tasks ppl,next_line] [--loops 1,2,4,8] [--baseline RUN] ...
 
 This module imports neither transformers, lm_eval nor `loopformer.hf` until a command runs (the `loopformer`
@@ -67,6 +68,24 @@ def register(subparsers) -> None:
     p.set_defaults(func=_finetune)
 
     p = subparsers.add_parser(
+        "push", help="upload a language model to the Hugging Face Hub with its model card",
+        description="Export the language model of RUN as `hf export` does (weights, tokenizer, remote code, the model "
+                    "card README.md with the loop profile) and upload it as one commit to the Hub model repository "
+                    "ORG/NAME (created if missing) with huggingface_hub; log in first (`hf auth login` or HF_TOKEN). "
+                    "loopformer.load('hf:ORG/NAME') loads it back. Needs transformers "
+                    f"({EXTRA}).")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--repo", required=True, metavar="ORG/NAME")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--ema", action="store_true", help="push the averaged weights (ema.safetensors)")
+    p.add_argument("--loops", type=int, default=None,
+                   help="the loop count of a call that names none (default: the trained loops)")
+    add_halt(p)
+    p.add_argument("--quant", default=None, metavar="int8",
+                   help="store the shared block int8 weight-only (torchao: pip install 'loopformer[hf,quant]')")
+    p.set_defaults(func=_push)
+
+    p = subparsers.add_parser(
         "lm-eval", help="evaluate a language model with lm-evaluation-harness at several loop budgets",
         description="Evaluate the language model of RUN with lm-evaluation-harness (lm_eval), offline, through the "
                     "transformers class, on tasks built from its corpus (ppl: perplexity over the documents of a "
@@ -112,6 +131,19 @@ def _export(args) -> int:
 def _need(module: str, what: str, hint: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise UserError(f"{what} needs {module}, which is not installed: {hint}")
+
+
+def _push(args) -> int:
+    _need("transformers", "push", EXTRA)
+    try:
+        from loopformer.hf.hub import check_repo, push
+    except ImportError as exc:              # a transformers outside the supported versions
+        raise UserError(" ".join(str(exc).split())) from None
+    check_repo(args.repo)
+    url = push(args.run, args.repo, private=args.private, ema=args.ema, loops=args.loops, halt=args.halt,
+               quant=args.quant)
+    print(f"pushed {args.run} to {args.repo}: {url}")
+    return 0
 
 
 def _finetune(args) -> int:

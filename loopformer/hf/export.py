@@ -5,6 +5,8 @@
     DIR/generation_config.json    end-of-text as eos and pad token
     DIR/tokenizer.json, tokenizer_config.json
                                   the run's tokenizer as a transformers fast tokenizer (`loopformer.hf.tokenizer`)
+    DIR/README.md                 the model card (the Hub's format): the loop profile, the drift verdict, FLOPs per
+                                  token, metrics, the training command, the data, the config (`loopformer.hf.card`)
     DIR/configuration_loopformer.py, modeling_loopformer.py
                                   the self-contained modelling code for `trust_remote_code=True` (where loopformer
                                   is not installed); left out, with the reason, for a model it does not run
@@ -34,6 +36,7 @@ from loopformer.eval.quant import block_maps, check_kind
 from loopformer.eval.quant import config as quant_config
 from loopformer.fileio import check_owned_folder, new_folder
 from loopformer.hf import configuration_loopformer, modeling_loopformer
+from loopformer.hf.card import model_card
 from loopformer.hf.model import LoopformerForCausalLM, hf_config
 from loopformer.hf.tokenizer import fast_tokenizer
 from loopformer.model.halting import HaltRule
@@ -45,7 +48,7 @@ from loopformer.version import __version__
 
 CODE = (configuration_loopformer, modeling_loopformer)       # the remote code an export carries
 WRITTEN = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json", "chat_template.jinja", *(Path(m.__file__).name for m in CODE))
+           "special_tokens_map.json", "chat_template.jinja", "README.md", *(Path(m.__file__).name for m in CODE))
 MARKER = "loopformer_export"       # the key of config.json that marks a folder this command wrote
 AUTO_MAP = {"AutoConfig": "configuration_loopformer.LoopformerConfig",
             "AutoModelForCausalLM": "modeling_loopformer.LoopformerForCausalLM"}
@@ -73,13 +76,14 @@ def check_out(out: str | Path) -> None:
 
 def export(run: str | Path, out: str | Path, data: str | Path | None = None, ema: bool = False,
            loops: int | None = None, halt: str | None = None, memory_check: bool = True,
-           quant: str | None = None) -> Export:
+           quant: str | None = None, name: str | None = None) -> Export:
     """Write the transformers folder `out` of the language model in `run` (a run folder or a checkpoint folder);
     see the module docstring. `data`: the prepared corpus whose tokenizer to save (default: the one the run was
     trained on); `ema`: the averaged weights; `loops`, `halt`: the loop count and halting rule calls use when they
-    name none (config.inference_loops, config.halt); `quant`: "int8" stores the shared block int8 weight-only."""
+    name none (config.inference_loops, config.halt); `quant`: "int8" stores the shared block int8 weight-only;
+    `name`: the model's name in its card (default: the folder's name; `push`: the repository's)."""
     ckpt = resolve_checkpoint(run)
-    cfg, _ = read_config(ckpt)
+    cfg, recorded = read_config(ckpt)
     config = hf_config(cfg, inference_loops=loops, halt=halt)       # refuses a model that is no causal LM
     check_loops(loops, cfg.loops)
     if halt is not None:
@@ -115,6 +119,9 @@ def export(run: str | Path, out: str | Path, data: str | Path | None = None, ema
             if quant is not None:
                 quantized(tmp, quant)
             fast.save_pretrained(tmp)
+            (tmp / "README.md").write_text(model_card(ckpt, cfg, recorded, name=name or Path(out).name,
+                                                      remote_code=remote is None, quant=quant, inference_loops=loops,
+                                                      halt=halt))
             if remote is None:
                 for mod in CODE:
                     shutil.copyfile(mod.__file__, tmp / Path(mod.__file__).name)
