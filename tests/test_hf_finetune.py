@@ -95,6 +95,12 @@ def test_errors_are_one_line(text_run, tmp_path, capsys, monkeypatch):
     one_line_error(capsys, "notes.txt")
     assert main(["hf", "finetune", run, "--out", str(tmp_path / "a"), "--steps", "0"]) == 2
     one_line_error(capsys, "at least 1")
+    assert main(["hf", "finetune", run, "--out", str(tmp_path / "a"), "--lr", "nan"]) == 2
+    one_line_error(capsys, "--lr must be a positive number")
+    save_checkpoint(tmp_path / "cls", LoopedTransformer(ModelConfig(vocab_size=11, max_len=8, d_model=16, n_heads=2,
+                                                                    causal=False)))
+    assert main(["hf", "finetune", str(tmp_path / "cls"), "--out", str(tmp_path / "c")]) == 2
+    one_line_error(capsys, "causal")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     assert main(["hf", "finetune", run, "--out", str(tmp_path / "b")]) == 2

@@ -99,6 +99,10 @@ def test_errors_are_one_line(text_run, tmp_path, capsys, monkeypatch):
     one_line_error(capsys, "notes.txt")
     assert main(["lm-eval", run, "--out", str(tmp_path / "c"), "--split", "dev"]) == 2
     one_line_error(capsys, "no split 'dev'")
+    save_checkpoint(tmp_path / "cls", LoopedTransformer(ModelConfig(vocab_size=11, max_len=8, d_model=16, n_heads=2,
+                                                                    causal=False)))
+    assert main(["lm-eval", str(tmp_path / "cls"), "--out", str(tmp_path / "e")]) == 2
+    one_line_error(capsys, "causal")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
     assert main(["lm-eval", run, "--out", str(tmp_path / "d")]) == 2

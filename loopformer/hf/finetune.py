@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 import loopformer.hf  # noqa: F401  (quiets torchao's import before peft imports it)
 from loopformer.errors import UserError
 from loopformer.fileio import check_owned_folder, new_folder
-from loopformer.hf.model import LoopformerForCausalLM
+from loopformer.hf.model import LoopformerForCausalLM, hf_config
 from loopformer.model.io import load, read_config, resolve_checkpoint, save_checkpoint
 from loopformer.text.commands import checkpoint_data_dir
 from loopformer.text.dataset import RandomWindows, TokenCorpus
@@ -82,13 +82,15 @@ def finetune(run: str | Path, out: str | Path, *, rank: int = 8, alpha: float | 
     """Fine-tune the language model of `run` (module docstring) into the run folder `out`; returns finetune.json."""
     ckpt = resolve_checkpoint(run)
     cfg, extra = read_config(ckpt)
-    if cfg.head != "lm" or not cfg.causal:
-        raise UserError(f"{ckpt} holds no causal language model (head {cfg.head!r}); hf finetune needs one")
+    hf_config(cfg)                                  # refuses a model that is no causal language model
     if not full and cfg.compat == "authors":
         raise UserError("LoRA needs the block's linear maps called as modules; a compat: authors layer reads its "
                         "qkv weight directly: use --full")
     if steps < 1 or batch_size < 1 or rank < 1:
         raise UserError("--steps, --batch-size and --rank must be at least 1")
+    for flag, v in (("--lr", lr), ("--alpha", alpha)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise UserError(f"{flag} must be a positive number (got {v})")
     check_out(out)
     corpus = data if data is not None else checkpoint_data_dir(str(ckpt))
     if corpus is None:

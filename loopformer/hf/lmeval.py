@@ -42,7 +42,7 @@ import numpy as np
 
 from loopformer.errors import UserError
 from loopformer.fileio import check_owned_folder, write_figure, write_json, write_text
-from loopformer.hf.model import LoopformerForCausalLM
+from loopformer.hf.model import LoopformerForCausalLM, hf_config
 from loopformer.hf.tokenizer import fast_tokenizer
 from loopformer.model.flops import forward_flops
 from loopformer.model.io import load, read_config, resolve_checkpoint
@@ -277,8 +277,7 @@ def lm_eval_run(run: str | Path, out: str | Path, tasks: list[str], loops: list[
     the results."""
     ckpt = resolve_checkpoint(run)
     cfg, _ = read_config(ckpt)
-    if cfg.head != "lm" or not cfg.causal:
-        raise UserError(f"{ckpt} holds no causal language model (head {cfg.head!r}); lm-eval needs one")
+    hf_config(cfg)                                  # refuses a model that is no causal language model
     check_out(out)
     corpus = data if data is not None else checkpoint_data_dir(str(ckpt))
     if corpus is None:
