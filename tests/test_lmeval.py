@@ -107,3 +107,26 @@ def test_errors_are_one_line(text_run, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
     assert main(["lm-eval", run, "--out", str(tmp_path / "d")]) == 2
     one_line_error(capsys, "pip install 'loopformer[hf,lmeval]'")
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line_on_an_exported_folder(text_run, tmp_path):
+    """The documented path without loopformer's command: `lm_eval --model hf` on the exported folder with its remote
+    code, the loop count as a config field, on the task folder `loopformer lm-eval` wrote — the same perplexity."""
+    import os
+    import subprocess
+    import sys
+    tmp, _ = text_run
+    out = tmp_path / "eval"
+    assert main(["lm-eval", str(tmp / "run"), "--out", str(out), "--loops", "2", "--tasks", "ppl"]) == 0
+    want = json.loads((out / "results.json").read_text())["budgets"][0]["metrics"]["loopformer_ppl"]
+    assert main(["hf", "export", str(tmp / "run"), "--out", str(tmp_path / "hf")]) == 0
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                           f"pretrained={tmp_path / 'hf'},trust_remote_code=True,inference_loops=2,max_length=24",
+                           "--tasks", "loopformer_ppl", "--include_path", str(out / "tasks"), "--device", "cpu",
+                           "--batch_size", "4", "--output_path", str(tmp_path / "cli")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(next((tmp_path / "cli").rglob("results_*.json")).read_text())["results"]["loopformer_ppl"]
+    assert got["token_perplexity,none"] == pytest.approx(want["token_perplexity"], rel=1e-5)
