@@ -272,3 +272,24 @@ def test_solver_model_trains_checkpoints_loads_and_evaluates(tmp_path):
     with torch.no_grad():
         out = m.eval()(x)
     assert torch.isfinite(out.logits).all() and 1 <= out.solve.iters <= 6
+
+
+def test_the_headline_of_a_solver_with_its_own_cap_is_its_answer_at_r():
+    """A solver with solver_max_iter answers a call of r loops after that many iterations: the evaluation's metric
+    at r is that answer (the metric without the loop-wise curve), not the r-th iterate of the curve."""
+    from loopformer.eval.evaluate import evaluate
+    from loopformer.sources import make_data
+    from loopformer.train.config import load_run_config
+
+    cfg = load_run_config(None, ["task.name=pointer_chase", "task.options={symbols: 6, hops: 2}", "task.n_train=16",
+                                 "task.n_test=200", "model.d_model=16", "model.n_heads=2", "model.loops=2",
+                                 "model.input_injection=true", "model.solver=anderson", "model.init_std=1.0",
+                                 "model.solver_backward=implicit", "model.solver_tol=0", "model.solver_max_iter=9"])
+    torch.manual_seed(0)
+    m = LoopedTransformer(cfg.model).eval()
+    data = make_data(cfg.task)
+    res = evaluate(m, data, max_loops=12)
+    plain = evaluate(m, data, loopwise=False)
+    curve = [p["accuracy"] for p in res["loopwise"]]
+    assert res["metrics"]["accuracy"] == plain["metrics"]["accuracy"] == curve[8]   # the 9th iterate: the answer
+    assert curve[1] != curve[8]                                   # the 2nd iterate differs: the check can fail

@@ -12,6 +12,8 @@
 #   TAG=state-norm EXTRA="model.extensions.state_norm={}" bash studies/transfer/transfer_study.sh screen circuit
 #                                                              # a candidate recipe on the screen settings
 #   ONLY=w10-cs1-r32 SEEDS=1 VARIANTS=true ...                 # ... on some settings, seeds and variants only
+#   bash studies/transfer/transfer_study.sh fixedpoint         # the fixed-point mode with a normalised state against
+#                                                              #   the unrolled loop (pointer chasing, 8 symbols 4 hops)
 #   bash studies/transfer/transfer_study.sh collect            # one record per finished cell into
 #                                                              #   studies/transfer/results.json, summary.md
 #
@@ -79,6 +81,19 @@ case "$stage" in
   heldout) mapfile -t specs < <(settings heldout "${2:?task: circuit or pointer}"); run "heldout$tag" "${specs[@]}" ;;
   screen) [ -n "${TAG:-}" ] && [ -n "${EXTRA:-}" ] || { echo "screen needs TAG and EXTRA" >&2; exit 2; }
     mapfile -t specs < <(settings screen "${2:?task: circuit or pointer}"); run "screen$tag" "${specs[@]}" ;;
+  fixedpoint)   # pointer chasing read at the end only (a solver has no per-loop read-outs in training), r = 8, both
+                # with the state normalised; FP_STEPS steps (default 2,000); a finished run is left as it is
+    FP=(configs/cpu/pointer.yaml task.options.symbols=8 task.options.hops=4 model.loops=8 task.loop_targets=false
+        train.losses.loops=last train.loops.start=0 train.loops.hold=0 "train.steps=${FP_STEPS:-2000}"
+        eval.max_loops=32 eval.drift=false "model.extensions.state_norm={}" threads=1)
+    for arm in unroll anderson; do
+      out="$STUDY/fixedpoint/$arm-${FP_STEPS:-2000}"
+      [ -f "$out/results.json" ] && continue
+      solve=(); [ "$arm" = unroll ] || solve=(model.solver=anderson model.solver_backward=implicit model.solver_max_iter=32)
+      resume=(); [ -d "$out/checkpoint" ] && resume=(--resume "$out")
+      if [ ${#resume[@]} -gt 0 ]; then "$LF" train "${resume[@]}" --quiet
+      else "$LF" train "${FP[@]}" "${solve[@]}" "out_dir=$out" --quiet; fi
+    done ;;
   collect) python3 studies/transfer/transfer_summary.py "$STUDY" studies/transfer ;;   # results.json, summary.md
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac
