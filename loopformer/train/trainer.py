@@ -22,6 +22,7 @@ Shapes: B batch, T length, R loops, C classes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import sys
 import time
@@ -70,6 +71,7 @@ from loopformer.train.losses import (
     supervised_count,
 )
 from loopformer.train.optim import curriculum_end, freeze, lr_at, make_optimizer, sample_loops, steps_for
+from loopformer.train.rollback import RollbackGuard
 from loopformer.train.run import MetricsLog
 from loopformer.train.selection import BestKeeper, held_score
 from loopformer.train.sharding import (
@@ -339,6 +341,10 @@ class Trainer:
         self.trains_gate = cfg.model.exit_gate and tc.losses.exit_loss_weight > 0   # the exit loss enters the step
         sel = tc.select
         self.spikes = SpikeGuard(sel.skip_spikes, sel.spike_window) if sel.skip_spikes > 0 else None
+        if sel.rollback and not self.data.classifies:
+            raise UserError("train.select.rollback watches the training accuracy: this task has none (set it to 0)")
+        self.rollback = RollbackGuard(sel.rollback, sel.rollback_learned, sel.rollback_patience, sel.rollback_lr,
+                                      sel.rollback_max) if sel.rollback else None
         self.start, self.state, self.finished = 0, None, False   # the first step, the checkpoint's training state
         # the module the steps run (`wrap`: inside DDP, the step compiled)
         self.net: torch.nn.Module = self.model
@@ -402,6 +408,11 @@ class Trainer:
                 raise UserError(f"cannot resume from {self.ckpt_dir}: {exc}") from None
         if self.keeper is not None:
             self.keeper.load(self.ckpt_dir, state.get("keep_best"), self.model, at=int(state["step"]))
+        if self.rollback is not None and state.get("rollback") is not None:
+            try:
+                self.rollback.load_state_dict(state["rollback"])
+            except UserError as exc:
+                raise UserError(f"cannot resume from {self.ckpt_dir}: {exc}") from None
         self.start, self.state = int(state["step"]), state
         if self.start >= self.total and run.results_done(self.run_dir, self.start):
             self.finished = True
@@ -539,7 +550,7 @@ class Trainer:
         micro-batches), then clip and update; the loss and accuracy sums go into the log window."""
         t_step = time.perf_counter()
         self.step_now = step
-        self.lr = lr = lr_at(self.cfg.train.optim, step, self.total)
+        self.lr = lr = lr_at(self.cfg.train.optim, step, self.total) * (self.rollback.lr_scale if self.rollback else 1)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
         micro, counts = self._micro_batches(step)
@@ -675,6 +686,9 @@ class Trainer:
         rec.update(solve_record(self.model))    # the fixed-point mode: the window's last solve (iterations, residual)
         if self.spikes is not None:
             rec["skipped_steps"] = self.spikes.skipped         # the run's total so far
+        if self.rollback is not None and "accuracy" in rec and \
+                self.rollback.update(rec["accuracy"], done, self._good_state):
+            self.log.write(self._roll_back(done))              # the last good window's state is back
         if not math.isfinite(rec["loss"]):
             raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
                             f"checkpoint is kept (lower train.optim.lr or enable train.optim.grad_clip)")
@@ -689,6 +703,27 @@ class Trainer:
         self.acc_correct.zero_()
         self.acc_count = self.acc_tokens = 0.0
         self.window_t0 = now
+
+    def _good_state(self) -> dict:
+        """What a rollback puts back (`loopformer.train.rollback`): weights, optimiser, average, scaler, spikes."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "ema": self.ema.module.state_dict() if isinstance(self.ema, EMA) else None,
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "spikes": self.spikes.state_dict() if self.spikes else None}
+
+    def _roll_back(self, done: int) -> dict:
+        """Put the rollback guard's snapshot back in place; the log's "rollback" record."""
+        snap = self.rollback.snapshot
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        if snap["ema"] is not None:
+            self.ema.module.load_state_dict(snap["ema"])
+        if snap["scaler"] is not None:
+            self.scaler.load_state_dict(snap["scaler"])
+        if snap["spikes"] is not None:
+            self.spikes.load_state_dict(snap["spikes"])
+        return {"split": "rollback", "step": done, "to": snap["step"], "lr_scale": self.rollback.lr_scale,
+                "rollbacks": self.rollback.count}
 
     def log_dynamics(self, done: int) -> None:
         model, _ = self.full_models(done)
@@ -812,6 +847,7 @@ class Trainer:
                                             "sharded": sharded, **({"shards": shards} if shards else {}),
                                             "scaler": self.scaler.state_dict() if self.scaler else None,
                                             "spikes": self.spikes.state_dict() if self.spikes else None,
+                                            "rollback": self.rollback.state_dict() if self.rollback else None,
                                             "keep_best": self.keeper.state_dict() if self.keeper else None,
                                             "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
                                             "train_time": self.train_time, "total_steps": self.total},
@@ -849,6 +885,7 @@ class Trainer:
                 **({"loop_rule": cfg.model.loop_rule, "loop_jitter": tc.loops.jitter}
                    if cfg.model.loop_rule != "fixed" else {}),
                 **({"skipped_steps": self.spikes.skipped} if self.spikes is not None else {}),
+                **({"rollbacks": self.rollback.count} if self.rollback is not None else {}),
                 **({"loops_sample": {"kind": "hold" if tc.loops.hold else tc.loops.sample, "per": tc.loops.sample_per,
                                      "range": list(tc.loops.budget_range(cfg.model.loops))}}
                    if tc.loops.samples_budgets else {}),
