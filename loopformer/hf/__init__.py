@@ -13,6 +13,10 @@
                                per-(loop, layer) key/value cache as a transformers `Cache`)
     tokenizer                  a transformers fast tokenizer from loopformer's tokenizers
     export                     the folder `loopformer hf export` writes
+    card                       its model card (README.md): the loop profile, drift verdict, FLOPs per token
+    hub                        `loopformer push` and `loopformer.load("hf:ORG/NAME")` (huggingface_hub)
+    lmeval                     `loopformer lm-eval`: lm-evaluation-harness at loop budgets (extra `lmeval`)
+    finetune                   `loopformer hf finetune`: LoRA adapters on the shared block (extra `lora`)
 
 Needs the extra `hf` (`pip install 'loopformer[hf]'`): transformers within `SUPPORTED`.
 """
