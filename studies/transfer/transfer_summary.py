@@ -72,7 +72,7 @@ def pct(v) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| stage | task | variant | cells | ≥ 95 % at r | median at r | worst at r | settling at 4r "
+    out = ["| stage | task | variant | cells | ≥ 95 % at r | median at r | worst at r | ≥ 95 % at r and 4r "
            "| lost > 100 steps |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     groups: dict[tuple, list[dict]] = {}
     for c in rows:
@@ -80,7 +80,7 @@ def table(rows: list[dict]) -> str:
     for (stage, task, variant), cs in sorted(groups.items()):
         at_r = [c["r"] for c in cs]
         ok = sum(v >= 0.95 for v in at_r)
-        settle = sum(c["verdict"] == "settling" for c in cs)
+        settle = sum(c["r"] >= 0.95 and (c["4r"] or 0) >= 0.95 for c in cs)   # learned, and held to 4r
         lost = sum((c["lost_steps"] or 0) > 100 for c in cs)
         out.append(f"| {stage} | {task} | {variant} | {len(cs)} | {ok}/{len(cs)} | {pct(statistics.median(at_r))} | "
                    f"{pct(min(at_r))} | {settle}/{len(cs)} | {lost}/{len(cs)} |")
