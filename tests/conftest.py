@@ -42,3 +42,37 @@ def train_killed_at():
             train(cfg, on_step=kill_at)
 
     return run
+
+
+PLAY_WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
+
+
+def text_checkpoint(tmp, docs: dict[str, int], *, words=PLAY_WORDS, per_line: int = 6, vocab_size: int = 280,
+                    prepare: tuple[str, ...] = (), modulation_std: float = 0.0):
+    """A prepared corpus in tmp/data of random lines of `words` (`docs`: a file name and its number of lines; with
+    several, tmp/docs holds them as documents) and a tiny TMLT checkpoint on it in the run folder tmp/run (its
+    modulations drawn with `modulation_std`, so the loop index matters): (corpus, model)."""
+    import numpy as np
+
+    from loopformer.cli import main
+    from loopformer.model import LoopedTransformer, ModelConfig
+    from loopformer.model.io import save_checkpoint
+    from loopformer.text.dataset import TokenCorpus
+
+    rng = np.random.default_rng(0)
+    folder = tmp / "docs" if len(docs) > 1 else tmp
+    folder.mkdir(exist_ok=True)
+    for name, lines in docs.items():
+        (folder / name).write_text("".join(" ".join(rng.choice(words, per_line)) + "\n" for _ in range(lines)))
+    source = folder if len(docs) > 1 else folder / next(iter(docs))
+    assert main(["text", "prepare", str(source), "--out", str(tmp / "data"), "--vocab-size", str(vocab_size),
+                 *prepare, "--quiet"]) == 0
+    corpus = TokenCorpus(tmp / "data")
+    torch.manual_seed(0)
+    model = LoopedTransformer(ModelConfig(vocab_size=corpus.vocab_size, max_len=24, d_model=16, n_heads=2, loops=2,
+                                          timestep=True, input_injection=True)).eval()
+    if modulation_std:
+        for blk in model.blocks:
+            torch.nn.init.normal_(blk.modulation.weight, 0, modulation_std)
+    save_checkpoint(tmp / "run" / "checkpoint", model, task={"name": "text", "data_dir": str(tmp / "data")})
+    return corpus, model

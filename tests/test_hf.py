@@ -12,11 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+from conftest import text_checkpoint  # noqa: E402
 
 import loopformer.hf  # noqa: E402  (registers the Auto classes)
 from loopformer.cli import main  # noqa: E402
@@ -27,7 +28,6 @@ from loopformer.hf.model import LoopformerCache, LoopformerForCausalLM, hf_confi
 from loopformer.hf.tokenizer import bpe_from_ranks, byte_symbols  # noqa: E402
 from loopformer.model import LoopedTransformer, ModelConfig  # noqa: E402
 from loopformer.model.io import save_checkpoint  # noqa: E402
-from loopformer.text.dataset import TokenCorpus  # noqa: E402
 from loopformer.text.generate import SamplingConfig, generate, generate_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,17 +229,7 @@ WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "t
 def text_run(tmp_path_factory):
     """A tiny prepared corpus and a TMLT checkpoint on it inside a run folder."""
     tmp = tmp_path_factory.mktemp("hf")
-    rng = np.random.default_rng(0)
-    (tmp / "hamlet.txt").write_text("".join(" ".join(rng.choice(WORDS, 7)) + "\n" for _ in range(150)))
-    assert main(["text", "prepare", str(tmp / "hamlet.txt"), "--out", str(tmp / "data"), "--vocab-size", "280",
-                 "--quiet"]) == 0
-    corpus = TokenCorpus(tmp / "data")
-    torch.manual_seed(0)
-    model = LoopedTransformer(ModelConfig(vocab_size=corpus.vocab_size, max_len=24, d_model=16, n_heads=2, loops=2,
-                                          timestep=True, input_injection=True)).eval()
-    for blk in model.blocks:
-        torch.nn.init.normal_(blk.modulation.weight, 0, 0.3)
-    save_checkpoint(tmp / "run" / "checkpoint", model, task={"name": "text", "data_dir": str(tmp / "data")})
+    corpus, model = text_checkpoint(tmp, {"hamlet.txt": 150}, words=WORDS, per_line=7, modulation_std=0.3)
     return tmp, corpus, model
 
 

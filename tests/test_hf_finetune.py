@@ -16,29 +16,20 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from conftest import text_checkpoint  # noqa: E402
+
 from loopformer.cli import main  # noqa: E402
 from loopformer.hf.finetune import TARGETS, load_adapter  # noqa: E402
 from loopformer.hf.model import LoopformerForCausalLM  # noqa: E402
 from loopformer.model import LoopedTransformer, ModelConfig  # noqa: E402
 from loopformer.model.io import load, save_checkpoint  # noqa: E402
-from loopformer.text.dataset import TokenCorpus  # noqa: E402
 from loopformer.text.perplexity import perplexity  # noqa: E402
-
-WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
 
 
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("finetune")
-    rng = np.random.default_rng(0)
-    (tmp / "plays.txt").write_text("".join(" ".join(rng.choice(WORDS, 6)) + "\n" for _ in range(200)))
-    assert main(["text", "prepare", str(tmp / "plays.txt"), "--out", str(tmp / "data"), "--vocab-size", "280",
-                 "--quiet"]) == 0
-    corpus = TokenCorpus(tmp / "data")
-    torch.manual_seed(0)
-    model = LoopedTransformer(ModelConfig(vocab_size=corpus.vocab_size, max_len=24, d_model=16, n_heads=2, loops=2,
-                                          timestep=True, input_injection=True)).eval()
-    save_checkpoint(tmp / "run" / "checkpoint", model, task={"name": "text", "data_dir": str(tmp / "data")})
+    corpus, _ = text_checkpoint(tmp, {"plays.txt": 200})
     return tmp, corpus
 
 

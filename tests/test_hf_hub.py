@@ -9,38 +9,27 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
 
 pytest.importorskip("transformers")
 
+from conftest import text_checkpoint  # noqa: E402
+
 import loopformer  # noqa: E402
 import loopformer.hf.hub as hub  # noqa: E402
 from loopformer.cli import main  # noqa: E402
 from loopformer.hf.card import flops_per_token  # noqa: E402
-from loopformer.model import LoopedTransformer, ModelConfig  # noqa: E402
-from loopformer.model.io import save_checkpoint  # noqa: E402
-from loopformer.text.dataset import TokenCorpus  # noqa: E402
-
-WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
+from loopformer.model import LoopedTransformer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
     """A tiny checkpoint in a run folder with the results.json and run.json training writes (their card fields)."""
     tmp = tmp_path_factory.mktemp("hub")
-    rng = np.random.default_rng(0)
-    (tmp / "t.txt").write_text("".join(" ".join(rng.choice(WORDS, 6)) + "\n" for _ in range(100)))
-    assert main(["text", "prepare", str(tmp / "t.txt"), "--out", str(tmp / "data"), "--vocab-size", "280",
-                 "--quiet"]) == 0
-    corpus = TokenCorpus(tmp / "data")
-    torch.manual_seed(0)
-    model = LoopedTransformer(ModelConfig(vocab_size=corpus.vocab_size, max_len=24, d_model=16, n_heads=2, loops=2,
-                                          timestep=True, input_injection=True)).eval()
+    _, model = text_checkpoint(tmp, {"t.txt": 100})
     run = tmp / "run"
-    save_checkpoint(run / "checkpoint", model, task={"name": "text", "data_dir": str(tmp / "data")})
     curve = [60.0, 41.5, 43.0, 47.25, 52.0, 58.0, 65.0, 73.5]
     (run / "results.json").write_text(json.dumps({
         "metric": "ppl", "params": sum(p.numel() for p in model.parameters()),

@@ -20,7 +20,8 @@ LAYERS = {                      # higher imports lower, never the other way
     "sources": 5,
     "data": 4, "text": 4, "theory": 4,
     "tasks": 3, "model": 3,
-    "configio": 1, "configdoc": 1, "fileio": 1, "device": 1, "commandline": 1, "checksums": 1, "errors": 1, "version": 1,
+    "configio": 1, "configdoc": 1, "fileio": 1, "device": 1, "commandline": 1, "checksums": 1, "errors": 1,
+    "version": 1,
 }
 BASE = 1                        # the base modules may import each other (without circles)
 

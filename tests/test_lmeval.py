@@ -9,37 +9,24 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
+
+from conftest import text_checkpoint  # noqa: E402
 
 from loopformer.cli import main  # noqa: E402
 from loopformer.hf import lmeval  # noqa: E402
 from loopformer.model import LoopedTransformer, ModelConfig  # noqa: E402
 from loopformer.model.io import save_checkpoint  # noqa: E402
-from loopformer.text.dataset import TokenCorpus  # noqa: E402
-
-WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
 
 
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
     """A tiny corpus of three documents and a TMLT checkpoint on it inside a run folder."""
     tmp = tmp_path_factory.mktemp("lmeval")
-    rng = np.random.default_rng(0)
-    (tmp / "docs").mkdir()
-    for name in ("a", "b", "c"):
-        (tmp / "docs" / f"{name}.txt").write_text("".join(" ".join(rng.choice(WORDS, 6)) + "\n" for _ in range(60)))
-    assert main(["text", "prepare", str(tmp / "docs"), "--out", str(tmp / "data"), "--vocab-size", "300",
-                 "--test-fraction", "0.3", "--quiet"]) == 0
-    corpus = TokenCorpus(tmp / "data")
-    torch.manual_seed(0)
-    model = LoopedTransformer(ModelConfig(vocab_size=corpus.vocab_size, max_len=24, d_model=16, n_heads=2, loops=2,
-                                          timestep=True, input_injection=True)).eval()
-    for blk in model.blocks:
-        torch.nn.init.normal_(blk.modulation.weight, 0, 0.3)
-    save_checkpoint(tmp / "run" / "checkpoint", model, task={"name": "text", "data_dir": str(tmp / "data")})
+    corpus, _ = text_checkpoint(tmp, {"a.txt": 60, "b.txt": 60, "c.txt": 60}, vocab_size=300,
+                                prepare=("--test-fraction", "0.3"), modulation_std=0.3)
     return tmp, corpus
 
 
