@@ -3,7 +3,8 @@ Sec. 5.1.1): fixed-length rows `inputs` / `targets` [N,T] generated in memory fr
 prepared data folder (`loopformer.data`), visited in epochs, each a fresh permutation `default_rng([seed, epoch])`.
 Scoring: argmax predictions [R,N,T] → the task's metrics per loop (headline: exact-match 'accuracy'); for tasks
 with intermediate states also `step_accuracy`, loop t against the state after step j(t) it is trained on with
-`task.loop_targets` (`loopformer.tasks.common.loop_steps`; past the trained r, the answer). `test_rows` and
+`task.loop_targets` (`loopformer.tasks.common.loop_steps`; past the trained r, the answer), the task's own
+`step_metrics` beside it, and at r their means over loops 1..r (`loops_` prefix). `test_rows` and
 `metrics` serve evaluation's other loops (adaptive depth, voting, halting across steps: `loopformer.eval`).
 Tasks with symmetries (Sudoku): `augment` draws training rows under random symmetries, a pure function of
 (seed, step, row key), so any process count and a resumed run see the same bytes.
@@ -260,6 +261,10 @@ class TokenData(DataSource):
             for t, m in enumerate(out):
                 state = steps[:, (j[t] if t < len(j) else j[-1]) - 1]                     # [N,T]
                 m["step_accuracy"] = float(exact_match(pred[t], state).mean())
+                m.update(self.task.step_metrics(pred[t], state))                          # the task's own, if any
+            if 1 < trained_loops <= len(out):        # the task's step metrics averaged over loops 1..r, at r
+                for k in self.task.step_metrics(pred[0][:0], steps[:0, 0]):
+                    out[trained_loops - 1][f"loops_{k}"] = float(np.mean([m[k] for m in out[:trained_loops]]))
         return out
 
     def describe(self) -> dict[str, Any]:

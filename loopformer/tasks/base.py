@@ -91,6 +91,13 @@ class TokenTask:
         """A human-readable rendering of sample i."""
         raise NotImplementedError
 
+    # optional: metrics of a loop's read-out against the intermediate state it learns (`task.loop_targets`)
+    def step_metrics(self, pred: np.ndarray, state: np.ndarray) -> dict[str, float]:
+        """Metrics of one loop's predictions `pred` [N, T] against the state `state` [N, T] it is read against,
+        beside the exact match `step_accuracy` the source computes (none by default). The loop-wise evaluation adds
+        them to every loop and their means over loops 1..r at r (`loops_` prefix)."""
+        return {}
+
     # optional: symmetries of the task (training augmentation, test-time voting); see `augments` / `votes`
     def augment(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
         """`batch` under random answer-preserving symmetries drawn from `rng` (inputs and targets alike)."""

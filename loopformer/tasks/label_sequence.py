@@ -35,7 +35,9 @@ of the input row):
 
 Metrics: accuracy (the whole row right), token_accuracy, label_error (mean |ŷ - y| in label units over the
 positions; a prediction that is not a label counts as L - 1) and max_label_error (its largest value: the
-sup-norm error of Lemma 4.1).
+sup-norm error of Lemma 4.1). With `task.loop_targets=true` the loop-wise evaluation also reads every loop t
+against y_{t-1} (`step_metrics`): step_label_error and step_max_label_error per loop, and at r their means over
+loops 1..r, loops_step_label_error and loops_step_max_label_error (the per-loop error the dials study reports).
 """
 
 from __future__ import annotations
@@ -137,6 +139,14 @@ class LabelSequenceTask(TokenTask):
         err = self.label_errors(pred, targets)
         return {"accuracy": float(exact_match(pred, targets).mean()), "token_accuracy": token_accuracy(pred, targets),
                 "label_error": float(err.mean()), "max_label_error": float(err.max())}
+
+    def step_metrics(self, pred: np.ndarray, state: np.ndarray) -> dict[str, float]:
+        """One loop's read-out against the label it learns (loop t → y_{t-1}): step_label_error (mean |ŷ - y_{t-1}|)
+        and step_max_label_error (the largest) — Lemma 4.1's per-loop error in label units."""
+        if not len(pred):
+            return {"step_label_error": float("nan"), "step_max_label_error": float("nan")}
+        err = self.label_errors(pred, state)
+        return {"step_label_error": float(err.mean()), "step_max_label_error": float(err.max())}
 
     def decode_row(self, batch: dict[str, np.ndarray], i: int) -> str:
         keys = [int(v) - 1 for v in batch["inputs"][i]]
