@@ -437,7 +437,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
     def loop_modulations(self, loops: int, device: torch.device, cache: KVCache | None, offset: int = 0,
                           budget: int | torch.Tensor | None = None, prepared: bool = False):
         """`modulations` of this call; in generation (a cache, no gradients) computed once per cache, and with
-        `prepared` as every layer applies them (`Layer.prepare`, [R][k]: no per-token work on the modulations)."""
+        `prepared` as every layer applies them (`Layer.prepare`, `[R][k]`: no per-token work on the modulations)."""
         if cache is not None and not torch.is_grad_enabled():   # generation: same modulations for every token
             if cache.mods is None:
                 cache.mods = self.modulations(loops, device, offset, budget)
