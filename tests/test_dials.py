@@ -1,7 +1,10 @@
 """The dials study's pieces: the η(t) arm (`loopformer.lab.loop_scales`) against the loop written out, the label
-sequences' per-loop label error against a brute-force count."""
+sequences' per-loop label error against a brute-force count, and the study's summary on made-up runs."""
 
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +12,8 @@ import torch
 
 from loopformer.model import LoopedTransformer, ModelConfig
 from loopformer.tasks.label_sequence import LabelSequenceTask
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -91,3 +96,55 @@ def test_loop_wise_evaluation_reads_every_loop_against_its_label():
     assert out[2]["loops_step_label_error"] == pytest.approx(sum(want) / 3)
     assert out[2]["loops_step_max_label_error"] == pytest.approx(np.mean([m["step_max_label_error"] for m in out]))
     assert "loops_step_label_error" not in out[1]
+
+
+# ------------------------------------------------------------------ the study's summary
+def _summary():
+    spec = importlib.util.spec_from_file_location("dial_summary", ROOT / "studies" / "dials" / "dial_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_least_squares_fit_against_numpy():
+    fit = _summary().fit
+    rng = np.random.default_rng(1)
+    x1, x2 = rng.uniform(1, 16, 12), rng.uniform(0, 8, 12)
+    y = 0.3 + 0.1 * np.log2(x1) - 0.05 * x2 + rng.normal(0, 0.01, 12)
+    got = fit(list(np.log2(x1)), list(x2), list(y))
+    ref, *_ = np.linalg.lstsq(np.column_stack([np.ones(12), np.log2(x1), x2]), y, rcond=None)
+    assert [got["intercept"], got["slope_log2_r"], got["slope_dial"]] == pytest.approx(list(ref))
+    assert 0.9 < got["r2"] <= 1 and got["n"] == 12
+    assert fit([1.0], [2.0], [0.5]) is None                                             # too few points
+
+
+def test_summary_of_made_up_runs(tmp_path):
+    mod = _summary()
+    sweeps, out = tmp_path / "sweeps", tmp_path / "out"
+    for setting, jump in (("j1", 1), ("j15", 15)):
+        for r in (2, 4):
+            for arm in ("looped", "tmlt"):
+                for seed in (0, 1):
+                    run = sweeps / "labels" / f"{setting}-r{r}" / arm / "runs" / f"seed={seed}"
+                    run.mkdir(parents=True)
+                    err = 0.1 * r * jump / 15 * (arm == "looped") + 0.01 * seed
+                    res = {"task": {"name": "label_sequence", "options": {"jump": jump, "length": r}},
+                           "variant": "looped", "seed": seed, "loops": r, "steps": 200, "params": 1000,
+                           "test": {"accuracy": 0.5, "token_accuracy": 0.9, "label_error": err,
+                                    "loops_step_label_error": err}}
+                    (run / "results.json").write_text(json.dumps(res))
+    rows = mod.main([str(sweeps), str(out)])
+    assert len(rows) == 16
+    back = json.loads((out / "results.json").read_text())
+    cells = back["cells"]
+    c = next(c for c in cells if c["setting"] == "j15" and c["r"] == 4 and c["arm"] == "looped")
+    assert c["error"]["median"] == pytest.approx(0.4 + 0.005) and c["error"]["range"] == pytest.approx([0.4, 0.41])
+    fits = {f["arm"]: f for f in back["fits"] if f["family"] == "labels" and f["setting"] == "all"}
+    assert fits["looped"]["slope_dial"] > 0 and abs(fits["tmlt"]["slope_dial"]) < 1e-9
+    j1 = next(f for f in back["fits"] if f["setting"] == "j1" and f["arm"] == "looped")      # 0.1·r/15 + seed
+    assert j1["slope_dial"] is None and j1["slope_log2_r"] == pytest.approx(0.2 / 15)
+    md = (out / "summary.md").read_text()
+    assert "| labels | j15 | 4 | looped |" in md and "per doubling of r" in md
+    with pytest.raises(SystemExit) as exc:                                               # bad input: exit status 2
+        mod.main([str(tmp_path / "none"), str(out)])
+    assert exc.value.code == 2

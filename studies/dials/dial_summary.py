@@ -1,0 +1,199 @@
+"""The dials study's compact results: one record per finished run, the error at r per cell (median and range over
+seeds) and least-squares fits of the error against r and against the dial.
+
+    python studies/dials/dial_summary.py sweeps/dials studies/dials
+
+reads every finished run under SWEEPS/<family>/<setting>-r<r>/<arm>/runs/<run>/results.json (the map's standard
+transformer, which has no r: <setting>-std), merges the records into OUT/results.json (records of runs no longer on
+disk are kept, so the file grows over sessions) and writes OUT/summary.md.
+
+The error of a run (lower is better), per family:
+    labels        the per-loop label error: |ŷ_t − y_{t−1}| in label units averaged over the positions and over the
+                  loops t = 1..r (`loops_step_label_error`); a model of one pass (the standard transformer) is read
+                  once, against the last label (`label_error`)
+    map-*         the bin error at r (`bin_error`, mean |b̂ − b| in bins)
+    period        the per-loop state error: 1 − the exact match of loop t's read-out with layer t's state, averaged
+                  over the loops t = 1..r (`loopwise` step_accuracy); one pass: 1 − accuracy
+The dial of a run: labels the largest jump J, map-token α, map-context β, period the number of distinct layers
+(p, or K when every layer is distinct). The fits, per (family, arm), over the runs (every seed a point):
+error ≈ c0 + c1·log2 r + c2·dial, and per (family, setting, arm) error ≈ c0 + c1·log2 r; a regressor that does
+not vary among the points is left out (its slope: none).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+DIAL = {"labels": "jump", "map-token": "token_lipschitz", "map-context": "context_lipschitz", "period": "period"}
+CELL = re.compile(r"^(?P<setting>.+)-(?:r(?P<r>\d+)|std)$")
+
+
+def fail(message: str) -> None:
+    """One line on stderr and exit status 2 (bad input)."""
+    print(f"dial_summary.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def dial_value(family: str, options: dict) -> float:
+    """The dial of a run from its task options (period: distinct layers, K when every layer is distinct)."""
+    if family == "period":
+        return float(options.get("period") or options.get("layers"))
+    return float(options[DIAL[family]])
+
+
+def run_error(family: str, res: dict) -> tuple[float, str]:
+    """(the run's error, how it was read) — see the module docstring."""
+    test = res["test"]
+    if family == "labels":
+        if "loops_step_label_error" in test:
+            return float(test["loops_step_label_error"]), "per loop"
+        return float(test["label_error"]), "last label"
+    if family.startswith("map"):
+        return float(test["bin_error"]), "at r"
+    r = int(res["loops"])
+    curve = [p for p in res.get("loopwise") or [] if p["loop"] <= r and "step_accuracy" in p]
+    if r > 1 and len(curve) == r:
+        return float(statistics.fmean(1 - p["step_accuracy"] for p in curve)), "per loop"
+    return 1 - float(test["accuracy"]), "at r"
+
+
+def record(family: str, cell: str, arm: str, run: Path) -> dict:
+    res = json.loads((run / "results.json").read_text())
+    m = CELL.match(cell)
+    if m is None:
+        fail(f"{run}: the cell {cell!r} is not <setting>-r<r> or <setting>-std")
+    error, read = run_error(family, res)
+    opts = res["task"].get("options", {})
+    test = res["test"]
+    return {"family": family, "setting": m["setting"], "cell": cell, "arm": arm, "run": run.name,
+            "r": int(m["r"]) if m["r"] else None, "loops": res["loops"], "seed": res["seed"],
+            "dial": dial_value(family, opts), "error": error, "read": read,
+            "final_error": test.get("label_error", test.get("bin_error", 1 - test.get("token_accuracy", 0.0))),
+            "accuracy": test.get("accuracy"), "token_accuracy": test.get("token_accuracy"),
+            "params": res.get("params"), "steps": res.get("steps")}
+
+
+def collect(sweeps: Path, out: Path) -> list[dict]:
+    path = out / "results.json"
+    old = json.loads(path.read_text())["records"] if path.is_file() else []
+    recs = {(c["family"], c["cell"], c["arm"], c["run"]): c for c in old}
+    for res in sorted(sweeps.glob("*/*/*/runs/*/results.json")):
+        run = res.parent
+        family, cell, arm = run.parts[-5], run.parts[-4], run.parts[-3]
+        if family in DIAL:
+            recs[(family, cell, arm, run.name)] = record(family, cell, arm, run)
+    return sorted(recs.values(), key=lambda c: (c["family"], c["dial"], c["setting"], c["r"] or 0, c["arm"],
+                                                c["seed"]))
+
+
+def cells(rows: list[dict]) -> list[dict]:
+    """Per (family, setting, r, arm): the error's median and range over seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in rows:
+        groups.setdefault((c["family"], c["setting"], c["r"], c["arm"]), []).append(c)
+    out = []
+    for (family, setting, r, arm), cs in groups.items():
+        errs = sorted(c["error"] for c in cs)
+        out.append({"family": family, "setting": setting, "dial": cs[0]["dial"], "r": r, "arm": arm,
+                    "seeds": sorted(c["seed"] for c in cs), "read": cs[0]["read"],
+                    "error": {"median": statistics.median(errs), "range": [errs[0], errs[-1]]}})
+    return sorted(out, key=lambda c: (c["family"], c["dial"], c["r"] or 0, c["arm"]))
+
+
+def fit(log2_r: list[float] | None, dial: list[float] | None, y: list[float]) -> dict | None:
+    """Least squares y ≈ c0 + c1·log2 r + c2·dial (a regressor given as None, or constant over the points, is left
+    out: its slope None). None when the points do not outnumber the coefficients."""
+    cols, names = [np.ones(len(y))], ["intercept"]
+    for name, x in (("slope_log2_r", log2_r), ("slope_dial", dial)):
+        if x is not None and len(set(x)) > 1:
+            cols.append(np.asarray(x, dtype=float))
+            names.append(name)
+    if len(y) <= len(cols):
+        return None
+    a, yv = np.column_stack(cols), np.asarray(y, dtype=float)
+    coef, *_ = np.linalg.lstsq(a, yv, rcond=None)
+    resid = yv - a @ coef
+    total = float(((yv - yv.mean()) ** 2).sum())
+    out = {"slope_log2_r": None, "slope_dial": None, **{k: float(v) for k, v in zip(names, coef)}}
+    out["r2"] = 1 - float((resid ** 2).sum()) / total if total > 0 else 1.0
+    out["n"] = len(y)
+    return out
+
+
+def fits(rows: list[dict]) -> list[dict]:
+    out = []
+    by_arm: dict[tuple, list[dict]] = {}
+    by_setting: dict[tuple, list[dict]] = {}
+    for c in rows:
+        by_arm.setdefault((c["family"], c["arm"]), []).append(c)
+        by_setting.setdefault((c["family"], c["setting"], c["arm"]), []).append(c)
+    for (family, arm), cs in sorted(by_arm.items()):
+        rs = [math.log2(c["r"]) for c in cs] if all(c["r"] for c in cs) else None
+        f = fit(rs, [c["dial"] for c in cs], [c["error"] for c in cs])
+        if f:
+            out.append({"family": family, "arm": arm, "setting": "all", **f})
+    for (family, setting, arm), cs in sorted(by_setting.items()):
+        if not all(c["r"] for c in cs):
+            continue
+        f = fit([math.log2(c["r"]) for c in cs], None, [c["error"] for c in cs])
+        if f:
+            out.append({"family": family, "arm": arm, "setting": setting, **f})
+    return out
+
+
+def num(v, digits: int = 4) -> str:
+    return "—" if v is None else f"{v:.{digits}g}"
+
+
+def markdown(cs: list[dict], fs: list[dict], n_runs: int) -> str:
+    lines = ["# The dials study: error against r and the dial", "",
+             f"{n_runs} finished runs (`python studies/dials/dial_summary.py SWEEPS OUT`). The error is lower-is-"
+             "better (labels: per-loop label error; map: bin error; period: per-loop state error; the module "
+             "docstring of dial_summary.py says how each is read). Predictions: studies/dials/README.md.", "",
+             "## Error at r per cell (median and range over seeds)", "",
+             "| family | setting | r | arm | seeds | read | median | range |", "|---|---|---:|---|---:|---|---:|---|"]
+    for c in cs:
+        e = c["error"]
+        lines.append(f"| {c['family']} | {c['setting']} | {c['r'] if c['r'] else '—'} | {c['arm']} | "
+                     f"{len(c['seeds'])} | {c['read']} | {num(e['median'])} | {num(e['range'][0])} – "
+                     f"{num(e['range'][1])} |")
+    lines += ["", "## Least-squares fits: error ≈ c0 + c1·log2 r + c2·dial", "",
+              "Per (family, arm) over every run (setting `all`), and per setting against log2 r alone; a slope "
+              "of — : the regressor did not vary.", "",
+              "| family | arm | setting | runs | c0 | c1 (per doubling of r) | c2 (per dial unit) | R² |",
+              "|---|---|---|---:|---:|---:|---:|---:|"]
+    if not fs:
+        lines.append("| (too few runs for a fit) | | | | | | | |")
+    for f in fs:
+        lines.append(f"| {f['family']} | {f['arm']} | {f['setting']} | {f['n']} | {num(f['intercept'])} | "
+                     f"{num(f['slope_log2_r'])} | {num(f['slope_dial'])} | {num(f['r2'], 3)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> list[dict]:
+    if len(argv) != 2:
+        fail("usage: dial_summary.py SWEEPS OUT")
+    sweeps, out = Path(argv[0]), Path(argv[1])
+    if not sweeps.is_dir():
+        fail(f"no folder {sweeps}")
+    rows = collect(sweeps, out)
+    cs, fs = cells(rows), fits(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("results.json", json.dumps({"records": rows, "cells": cs, "fits": fs}, indent=1) + "\n"),
+                       ("summary.md", markdown(cs, fs, len(rows)))):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    print(f"wrote {sys.argv[2]}/results.json, summary.md")
