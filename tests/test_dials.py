@@ -148,3 +148,19 @@ def test_summary_of_made_up_runs(tmp_path):
     with pytest.raises(SystemExit) as exc:                                               # bad input: exit status 2
         mod.main([str(tmp_path / "none"), str(out)])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("env,args,line", [
+    ({}, ["run", "nope"], "unknown family: nope"),
+    ({"ARMS": "looped bogus"}, ["run", "labels"], "unknown arm: bogus"),
+    ({"RS": "2 x"}, ["run", "labels"], "RS: loop counts are positive integers (got x)"),
+    ({"ONLY": "j1 zz"}, ["run", "labels"], "ONLY: no setting named zz"),
+])
+def test_the_study_stage_refuses_bad_input_in_one_line(tmp_path, env, args, line):
+    import os
+    import subprocess
+
+    out = subprocess.run(["bash", str(ROOT / "studies" / "dials" / "dial_study.sh"), *args], capture_output=True,
+                         text=True, env={**os.environ, "STUDY": str(tmp_path / "s"), **env}, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().startswith(line) and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "s").exists()                                                # nothing started

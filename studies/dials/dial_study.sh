@@ -17,7 +17,8 @@
 #   looped      model.timestep=false
 #   tmlt        model.timestep=true
 #   eta         model.extensions.loop_scales={}  (r·D parameters more than the looped model)
-#   standard    model.n_layers=2 model.loops=1   (two distinct layers: the parameters of the TMLT within 13 %)
+#   standard    model.n_layers=2 model.loops=1   (two distinct layers: parameters between the looped model's and
+#                                                 the TMLT's)
 #
 #   bash studies/dials/dial_study.sh run labels          # one family (or: all)
 #   ONLY="j1 j15" RS="2 4" SEEDS=0 ARMS="looped eta" bash studies/dials/dial_study.sh run labels
@@ -108,6 +109,15 @@ run_family() {
     done
   done
 }
+
+for arm in $ARMS; do arm_overrides "$arm" >/dev/null; done        # an unknown arm: one line, exit 2
+for name in $ONLY; do
+  printf '%s\n' "${SETTINGS[@]}" | cut -d'|' -f2 | grep -qxF -- "$name" ||
+    { echo "ONLY: no setting named $name ($(printf '%s\n' "${SETTINGS[@]}" | cut -d'|' -f2 | tr '\n' ' '))" >&2; exit 2; }
+done
+for r in $RS; do
+  [[ "$r" =~ ^[1-9][0-9]*$ ]] || { echo "RS: loop counts are positive integers (got $r)" >&2; exit 2; }
+done
 
 case "${1:-}" in
   run)
