@@ -38,9 +38,11 @@ def test_config_reference_lists_every_field_with_its_comment():
                     "### `train.system.*` — `SystemConfig`", "| `train.loops_hold` | `train.loops.hold` |"):
         assert heading in page
     config = importlib.import_module("loopformer.train.config")
-    notes = hooks.field_comments(config.LossConfig)
+    from loopformer.configdoc import field_comments  # what the page and `loopformer config` print
+
+    notes = field_comments(config.LossConfig)
     assert notes["loops"].startswith("last | all") and "window" not in notes.get("kind", "")
-    assert hooks.field_comments(config.SystemConfig)["compile"].startswith("torch.compile the training step")
+    assert field_comments(config.SystemConfig)["compile"].startswith("torch.compile the training step")
 
 
 def test_readme_links_point_at_files():
