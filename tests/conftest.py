@@ -76,3 +76,9 @@ def text_checkpoint(tmp, docs: dict[str, int], *, words=PLAY_WORDS, per_line: in
             torch.nn.init.normal_(blk.modulation.weight, 0, modulation_std)
     save_checkpoint(tmp / "run" / "checkpoint", model, task={"name": "text", "data_dir": str(tmp / "data")})
     return corpus, model
+
+
+def one_line_error(capsys, needle: str) -> None:
+    """The command's stderr is one `loopformer: error:` line holding `needle`."""
+    err = capsys.readouterr().err
+    assert err.startswith("loopformer: error: ") and err.count("\n") == 1 and needle in err, err

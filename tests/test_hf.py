@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import text_checkpoint  # noqa: E402
+from conftest import one_line_error, text_checkpoint  # noqa: E402
 
 import loopformer.hf  # noqa: E402  (registers the Auto classes)
 from loopformer.cli import main  # noqa: E402
@@ -231,11 +231,6 @@ def text_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
     corpus, model = text_checkpoint(tmp, {"hamlet.txt": 150}, words=WORDS, per_line=7, modulation_std=0.3)
     return tmp, corpus, model
-
-
-def one_line_error(capsys, needle):
-    err = capsys.readouterr().err
-    assert err.startswith("loopformer: error: ") and err.count("\n") == 1 and needle in err, err
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from conftest import text_checkpoint  # noqa: E402
+from conftest import one_line_error, text_checkpoint  # noqa: E402
 
 from loopformer.cli import main  # noqa: E402
 from loopformer.hf.finetune import TARGETS, load_adapter  # noqa: E402
@@ -71,10 +71,6 @@ def test_full_finetuning_trains_every_weight(text_run, capsys):
     assert res["method"] == "full" and res["trainable_parameters"] == res["model_parameters"]
     assert not (out / "adapter").exists() and (out / "checkpoint" / "model.safetensors").is_file()
 
-
-def one_line_error(capsys, needle):
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and needle in err, err
 
 
 def test_errors_are_one_line(text_run, tmp_path, capsys, monkeypatch):

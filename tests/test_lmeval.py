@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
-from conftest import text_checkpoint  # noqa: E402
+from conftest import one_line_error, text_checkpoint  # noqa: E402
 
 from loopformer.cli import main  # noqa: E402
 from loopformer.hf import lmeval  # noqa: E402
@@ -69,10 +69,6 @@ def test_documents_and_next_line_items():
         doc = next(t for t in texts if it["context"] + answer in t)          # the true line follows its context
         assert it["context"].endswith("\n") and len(it["context"]) <= lmeval.CONTEXT_CHARS and doc
 
-
-def one_line_error(capsys, needle):
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and needle in err, err
 
 
 def test_errors_are_one_line(text_run, tmp_path, capsys, monkeypatch):

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import one_line_error
 
 from loopformer import device
 from loopformer.cli import main
@@ -32,11 +33,6 @@ def setup(tmp_path, capsys):
     save_checkpoint(tmp_path / "bare", model)
     capsys.readouterr()
     return tmp_path, corpus, model
-
-
-def one_line_error(capsys, needle):
-    err = capsys.readouterr().err
-    assert err.startswith("loopformer: error: ") and err.count("\n") == 1 and needle in err, err
 
 
 def test_prepare_cli(tmp_path, capsys):
