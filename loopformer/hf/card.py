@@ -59,8 +59,6 @@ def model_card(ckpt: Path, cfg: ModelConfig, extra: dict, *, name: str, remote_c
     drift = results.get("drift") if isinstance(results.get("drift"), dict) else {}
     metric = results.get("metric") or drift.get("metric") or "metric"
     curve = drift.get("metric_per_loop") or [row.get(metric) for row in results.get("loopwise") or []]
-    task = extra.get("task") or {}
-    corpus = task.get("corpus") or {}
     front = {"library_name": "transformers", "pipeline_tag": "text-generation",
              "tags": ["loopformer", "looped-transformer", "text-generation"] + (["custom_code"] if remote_code else [])
              + ([f"torchao-{quant}"] if quant else []),
@@ -70,25 +68,42 @@ def model_card(ckpt: Path, cfg: ModelConfig, extra: dict, *, name: str, remote_c
                             "flops_per_token_at_r": round(flops_per_token(cfg, r)),
                             **({"quantization": f"{quant} weight-only (shared block)"} if quant else {})}}
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {name}", ""]
+    lines += _usage(cfg, name, remote_code, quant, inference_loops, halt)
+    lines += _loop_profile(cfg, metric, curve, drift, results)
+    lines += _metrics(results, finetune)
+    lines += _training(run)
+    lines += _data(extra.get("task") or {})
+    lines += ["## Config", "", "```json", json.dumps(to_dict(cfg), indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def _usage(cfg: ModelConfig, name: str, remote_code: bool, quant: str | None, inference_loops: int | None,
+           halt: str | None) -> list[str]:
+    """What the model is, and how transformers loads and runs it."""
+    r = cfg.total_loops
     kind = "standard transformer" if r == 1 else f"looped transformer ({cfg.n_layers} layer(s) applied {r} times" + \
         (", timestep-modulated (TMLT)" if cfg.timestep else "") + ")"
-    lines += [f"A {kind} language model trained with loopformer: "
-              f"d_model {cfg.d_model}, {cfg.n_heads} heads, context {cfg.max_len}, vocabulary {cfg.vocab_size}."
-              + (f" The shared block's linear maps are stored {quant} weight-only (torchao)." if quant else ""), ""]
-    lines += ["## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-              f'model = AutoModelForCausalLM.from_pretrained("{name}"'
-              + (", trust_remote_code=True" if remote_code else "") + ")   # or `import loopformer.hf` first",
-              f'tok = AutoTokenizer.from_pretrained("{name}")',
-              f'out = model.generate(**tok("To be", return_tensors="pt"), max_new_tokens=40, loops={r})',
-              "```", "",
-              f"`loops=` sets the loop count of a call (trained: r = {r}"
-              + (f"; this export's default: {inference_loops}" if inference_loops else "")
-              + (f"; halting rule by default: `{halt}`" if halt else "") + ").", ""]
-    lines += ["## Loop profile", ""]
+    return [f"A {kind} language model trained with loopformer: "
+            f"d_model {cfg.d_model}, {cfg.n_heads} heads, context {cfg.max_len}, vocabulary {cfg.vocab_size}."
+            + (f" The shared block's linear maps are stored {quant} weight-only (torchao)." if quant else ""), "",
+            "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+            f'model = AutoModelForCausalLM.from_pretrained("{name}"'
+            + (", trust_remote_code=True" if remote_code else "") + ")   # or `import loopformer.hf` first",
+            f'tok = AutoTokenizer.from_pretrained("{name}")',
+            f'out = model.generate(**tok("To be", return_tensors="pt"), max_new_tokens=40, loops={r})',
+            "```", "",
+            f"`loops=` sets the loop count of a call (trained: r = {r}"
+            + (f"; this export's default: {inference_loops}" if inference_loops else "")
+            + (f"; halting rule by default: `{halt}`" if halt else "") + ").", ""]
+
+
+def _loop_profile(cfg: ModelConfig, metric: str, curve: list, drift: dict, results: dict) -> list[str]:
+    """The metric after every loop with its FLOPs per token, the drift verdict and the halting savings."""
+    r = cfg.total_loops
+    lines = ["## Loop profile", ""]
     if curve:
-        top = len(curve)
-        lines += [f"The {metric} after every loop t = 1..{top} (r = {r}), with the FLOPs per token of a forward "
-                  f"pass at t loops over a window of {cfg.max_len} tokens:", "",
+        lines += [f"The {metric} after every loop t = 1..{len(curve)} (r = {r}), with the FLOPs per token of a "
+                  f"forward pass at t loops over a window of {cfg.max_len} tokens:", "",
                   f"| loop t | {metric} | FLOPs per token |", "|---:|---:|---:|"]
         lines += [f"| {t}{' (r)' if t == r else ''} | {_num(v)} | {flops_per_token(cfg, t):,.0f} |"
                   for t, v in enumerate(curve, 1) if v is not None]
@@ -108,7 +123,12 @@ def model_card(ckpt: Path, cfg: ModelConfig, extra: dict, *, name: str, remote_c
         lines += ["Adaptive depth (halting rules against fixed depth):", "", format_halting(results["halting"]), ""]
     else:
         lines += ["Halting savings: not measured (`loopformer eval RUN --halt kl:1e-3`).", ""]
-    lines += ["## Metrics", ""]
+    return lines
+
+
+def _metrics(results: dict, finetune: dict) -> list[str]:
+    """results.json's test metrics, and a fine-tuning's perplexity before and after."""
+    lines = ["## Metrics", ""]
     test = results.get("test") or {}
     if test:
         lines += ["| metric | value |", "|---|---:|"]
@@ -123,29 +143,35 @@ def model_card(ckpt: Path, cfg: ModelConfig, extra: dict, *, name: str, remote_c
                   f"{finetune.get('trainable_parameters'):,} trainable parameters, {finetune.get('steps')} steps): "
                   f"{finetune.get('split')} perplexity {_num(finetune.get('perplexity_before'))} → "
                   f"{_num(finetune.get('perplexity_after'))}.", ""]
-    lines += ["## Training", ""]
-    if run.get("command"):
-        argv = list(run["command"])
-        argv[0] = Path(argv[0]).name
-        lines += ["```bash", shlex.join(argv), "```", ""]
-        facts = {k: run.get(k) for k in ("total_steps", "seed", "device", "world_size", "started")}
-        lines += [", ".join(f"{k}: {v}" for k, v in facts.items() if v is not None), ""]
-        if run.get("versions"):
-            lines += ["Versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items()), ""]
-    else:
-        lines += ["No run.json beside the checkpoint (the command that trained it is not recorded).", ""]
-    lines += ["## Data", ""]
-    if task:
-        src = corpus.get("source") or {}
-        tok = corpus.get("tokenizer") or {}
-        lines += [f"Task {task.get('name')}"
-                  + (f", corpus {task.get('data_dir')} (source {src.get('name')}"
-                     + (f", {src.get('package')}" if src.get("package") else "") + ")" if task.get("data_dir") else "")
-                  + (f", tokenizer {tok.get('kind')} with {tok.get('vocab_size')} tokens" if tok else "") + ".", ""]
-    else:
-        lines += ["Not recorded in the checkpoint.", ""]
-    lines += ["## Config", "", "```json", json.dumps(to_dict(cfg), indent=1), "```", ""]
-    return "\n".join(lines)
+    return lines
+
+
+def _training(run: dict) -> list[str]:
+    """The command that trained the model (run.json), its facts and versions."""
+    lines = ["## Training", ""]
+    if not run.get("command"):
+        return lines + ["No run.json beside the checkpoint (the command that trained it is not recorded).", ""]
+    argv = list(run["command"])
+    argv[0] = Path(argv[0]).name
+    lines += ["```bash", shlex.join(argv), "```", ""]
+    facts = {k: run.get(k) for k in ("total_steps", "seed", "device", "world_size", "started")}
+    lines += [", ".join(f"{k}: {v}" for k, v in facts.items() if v is not None), ""]
+    if run.get("versions"):
+        lines += ["Versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items()), ""]
+    return lines
+
+
+def _data(task: dict) -> list[str]:
+    """The task, the corpus and its tokenizer, as the checkpoint records them."""
+    if not task:
+        return ["## Data", "", "Not recorded in the checkpoint.", ""]
+    corpus = task.get("corpus") or {}
+    src = corpus.get("source") or {}
+    tok = corpus.get("tokenizer") or {}
+    return ["## Data", "", f"Task {task.get('name')}"
+            + (f", corpus {task.get('data_dir')} (source {src.get('name')}"
+               + (f", {src.get('package')}" if src.get("package") else "") + ")" if task.get("data_dir") else "")
+            + (f", tokenizer {tok.get('kind')} with {tok.get('vocab_size')} tokens" if tok else "") + ".", ""]
 
 
 __all__ = ["model_card", "flops_per_token"]
