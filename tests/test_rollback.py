@@ -150,8 +150,7 @@ def test_resume_keeps_the_factor_and_the_snapshot(tmp_path, train_killed_at, mon
 @pytest.mark.parametrize("override, needle", [
     ("train.select.rollback=1.5", "train.select.rollback must be 0 (off) or in (0, rollback_learned]"),
     ("train.select.rollback=0.99", "train.select.rollback must be 0 (off) or in (0, rollback_learned]"),
-    ("train.select.rollback_lr=0", "rollback_lr in (0, 1]"),
-    ("train.select.rollback_patience=0", "rollback_patience must be >= 1"),
+    ("train.select.rollback_learned=0", "rollback_learned in (0, 1]"),
 ])
 def test_bad_settings_are_one_line(override, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")

@@ -201,22 +201,16 @@ class SelectConfig:
                                       # many times its running geometric mean (loopformer.train.spikes); 0: off
     spike_window: int = 100           # steps the running mean of log gradient norms spans
     rollback: float = 0.0             # > 0: once a log window's training accuracy has reached rollback_learned, a
-                                      # window below this (rollback_patience in a row) puts back the last good
-                                      # window's weights and optimiser state, the learning rate times rollback_lr
-                                      # (loopformer.train.rollback; "rollback" records in the log); 0: off
+                                      # window below this puts back the last good window's weights and optimiser
+                                      # state with the learning rate halved, at most 3 times (a candidate of the
+                                      # transfer study: loopformer.train.rollback; "rollback" records); 0: off
     rollback_learned: float = 0.95    # the window accuracy that counts as learned (its weights: the snapshot)
-    rollback_patience: int = 1        # windows in a row below `rollback` before the rollback
-    rollback_lr: float = 0.5          # the learning rate's factor after each rollback (compounding)
-    rollback_max: int = 3             # at most this many rollbacks in a run
 
     def __post_init__(self) -> None:
         _need(0 <= self.rollback <= 1 and 0 < self.rollback_learned <= 1 and
               (self.rollback == 0 or self.rollback <= self.rollback_learned),
               f"train.select.rollback must be 0 (off) or in (0, rollback_learned] and rollback_learned in (0, 1] "
               f"(got {self.rollback}, {self.rollback_learned})")
-        _need(self.rollback_patience >= 1 and self.rollback_max >= 0 and 0 < self.rollback_lr <= 1,
-              f"train.select.rollback_patience must be >= 1, rollback_max >= 0 and rollback_lr in (0, 1] (got "
-              f"{self.rollback_patience}, {self.rollback_max}, {self.rollback_lr})")
         _need(self.keep_best_depth in ("r", "trained"),
               f"train.select.keep_best_depth must be r or trained (got {self.keep_best_depth!r})")
         _need(0.0 <= self.ema_decay < 1.0, f"train.select.ema_decay must be in [0, 1) (got {self.ema_decay})")

@@ -343,8 +343,7 @@ class Trainer:
         self.spikes = SpikeGuard(sel.skip_spikes, sel.spike_window) if sel.skip_spikes > 0 else None
         if sel.rollback and not self.data.classifies:
             raise UserError("train.select.rollback watches the training accuracy: this task has none (set it to 0)")
-        self.rollback = RollbackGuard(sel.rollback, sel.rollback_learned, sel.rollback_patience, sel.rollback_lr,
-                                      sel.rollback_max) if sel.rollback else None
+        self.rollback = RollbackGuard(sel.rollback, sel.rollback_learned) if sel.rollback else None
         self.start, self.state, self.finished = 0, None, False   # the first step, the checkpoint's training state
         # the module the steps run (`wrap`: inside DDP, the step compiled)
         self.net: torch.nn.Module = self.model
