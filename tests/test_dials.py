@@ -145,6 +145,7 @@ def test_summary_of_made_up_runs(tmp_path):
     assert j1["slope_dial"] is None and j1["slope_log2_r"] == pytest.approx(0.2 / 15)
     md = (out / "summary.md").read_text()
     assert "| labels | j15 | 4 | looped |" in md and "per doubling of r" in md
+    assert (out / "labels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"                # the family's plot
     with pytest.raises(SystemExit) as exc:                                               # bad input: exit status 2
         mod.main([str(tmp_path / "none"), str(out)])
     assert exc.value.code == 2
@@ -164,3 +165,61 @@ def test_the_study_stage_refuses_bad_input_in_one_line(tmp_path, env, args, line
                          text=True, env={**os.environ, "STUDY": str(tmp_path / "s"), **env}, timeout=60)
     assert out.returncode == 2 and out.stderr.strip().startswith(line) and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "s").exists()                                                # nothing started
+
+
+def test_predicted_shapes_are_the_theorems():
+    predicted = _summary().predicted
+    lemma, exact = predicted("labels", 4.0, [2, 4, 8], {})
+    assert lemma[1:] == ([2, 4, 8], [4.0] * 3) and exact[1:] == ([2, 4, 8], [0.0] * 3)   # ε = J; Theorem 4.2: 0
+    (label, rs, ys), = predicted("map-token", 2.0, [2, 4, 8, 16], {8: 0.5, 16: 0.3})
+    # Theorem 3.6 at N = 6, d = 1: ((r - 6)/2)^(-1/8), defined for r > N, through the looped median at r = 16
+    assert rs == [8, 16] and ys == pytest.approx([0.3 * 5 ** (1 / 8), 0.3])
+    assert predicted("period", 2.0, [2, 4], {2: 0.1}) == []
+
+
+def _moduli():
+    spec = importlib.util.spec_from_file_location("dial_moduli", ROOT / "studies" / "dials" / "dial_moduli.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_trained_models_moduli_against_a_direct_count(tmp_path):
+    from loopformer.eval.evaluate import read_outs
+    from loopformer.sources import make_data
+    from loopformer.train.config import load_run_config
+    from loopformer.train.trainer import train
+
+    run = tmp_path / "sweeps" / "labels" / "j4-r3" / "looped" / "runs" / "seed=0"
+    cfg = load_run_config(ROOT / "configs" / "cpu" / "dial-labels.yaml", [
+        "task.options.length=3", "task.options.jump=4", "task.options.keys=16", "model.loops=3", "model.d_model=16",
+        "model.n_heads=2", "task.n_train=256", "task.n_test=64", "train.steps=30", "train.log_every=10",
+        "threads=1", f"out_dir={run}"])
+    train(cfg)
+    mod = _moduli()
+    mod.main([str(tmp_path / "sweeps"), str(tmp_path / "out"), "--seeds", "0"])
+    rec, = json.loads((tmp_path / "out" / "moduli.json").read_text())["records"]
+    # the same quantities counted directly from the evaluation's read-outs and the task's table
+    data = make_data(cfg.task)
+    task, rows = data.task, data.test_rows(0)
+    from loopformer import load
+    model = load(run / "checkpoint").eval()
+    with torch.no_grad():
+        pred = read_outs(model, torch.as_tensor(rows["inputs"]).long(), 3, True, torch.no_grad).argmax(-1).numpy()
+    pred = np.clip(pred - task.first_label, 0, task.labels - 1)                           # [3,N,w]
+    keys = rows["inputs"] - 1                                                             # [N,w]
+    want_model = np.mean([abs(int(pred[t, i, j]) - int(pred[t - 1, i, j]))
+                          for t in (1, 2) for i in range(len(keys)) for j in range(keys.shape[1])])
+    want_target = np.mean([abs(int(task.table[k, t]) - int(task.table[k, t - 1]))
+                           for t in (1, 2) for k in keys.reshape(-1)])
+    assert rec["model_jump"] == pytest.approx(want_model) and rec["target_jump"] == pytest.approx(want_target)
+    assert rec["tracking"] == pytest.approx(want_model / want_target)
+    assert 0 <= rec["target_max_jump"] <= 4 and rec["dial"] == 4 and rec["r"] == 3
+    assert rec["omega_tok"] > 0 and rec["omega_cont"] >= 0 and rec["update"] > 0
+    assert rec["error"] == json.loads((run / "results.json").read_text())["test"]["loops_step_label_error"]
+    assert "| 4 | 3 | looped | 1 |" in (tmp_path / "out" / "moduli.md").read_text()
+    mod.main([str(tmp_path / "sweeps"), str(tmp_path / "out"), "--seeds", "0"])       # measured once: kept
+    assert json.loads((tmp_path / "out" / "moduli.json").read_text())["records"] == [rec]
+    with pytest.raises(SystemExit) as exc:
+        mod.main([str(tmp_path / "sweeps"), str(tmp_path / "out"), "--delta", "0"])
+    assert exc.value.code == 2

@@ -5,7 +5,11 @@ seeds) and least-squares fits of the error against r and against the dial.
 
 reads every finished run under SWEEPS/<family>/<setting>-r<r>/<arm>/runs/<run>/results.json (the map's standard
 transformer, which has no r: <setting>-std), merges the records into OUT/results.json (records of runs no longer on
-disk are kept, so the file grows over sessions) and writes OUT/summary.md.
+disk are kept, so the file grows over sessions) and writes OUT/summary.md and one plot per family,
+OUT/<family>.png: the error against r, one panel per dial setting, every arm's median over seeds with its range,
+and the shape the theory predicts (labels: Lemma 4.1's bound ε = J, flat in r, and Theorem 4.2's 0 for η(t); the
+map: Theorem 3.6's rate ((r − N)/2)^(−1/((N+1)d+1)), N = 6, d = 1, scaled through the looped model's median at
+the largest r; period: no shape in r).
 
 The error of a run (lower is better), per family:
     labels        the per-loop label error: |ŷ_t − y_{t−1}| in label units averaged over the positions and over the
@@ -30,6 +34,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from loopformer.fileio import write_figure
 
 DIAL = {"labels": "jump", "map-token": "token_lipschitz", "map-context": "context_lipschitz", "period": "period"}
 CELL = re.compile(r"^(?P<setting>.+)-(?:r(?P<r>\d+)|std)$")
@@ -177,6 +183,66 @@ def markdown(cs: list[dict], fs: list[dict], n_runs: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+ARMS = ("looped", "tmlt", "eta", "standard")
+COLOURS = {"looped": "tab:blue", "tmlt": "tab:orange", "eta": "tab:green", "standard": "tab:gray"}
+
+
+def predicted(family: str, dial: float, rs: list[int], looped: dict[int, float]) -> list[tuple[str, list, list]]:
+    """The theory's shapes in r for one dial setting: (label, r values, errors) lines."""
+    if family == "labels":
+        return [(f"Lemma 4.1: error <= ε = J = {dial:g}", rs, [dial] * len(rs)),
+                ("Theorem 4.2 (η(t)): 0", rs, [0.0] * len(rs))]
+    if family.startswith("map"):
+        N, d = 6, 1
+        big = [r for r in rs if r > N]
+        if not big or max(big) not in looped:
+            return []
+        shape = {r: ((r - N) / 2) ** (-1 / ((N + 1) * d + 1)) for r in big}
+        scale = looped[max(big)] / shape[max(big)]
+        return [("Theorem 3.6: ((r - N)/2)^(-1/8), scaled", big, [scale * shape[r] for r in big])]
+    return []
+
+
+def plot(cs: list[dict], out: Path) -> list[Path]:
+    """OUT/<family>.png per family with runs at several r (see the module docstring)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    for family in sorted({c["family"] for c in cs}):
+        fam = [c for c in cs if c["family"] == family and c["r"]]
+        settings = sorted({(c["dial"], c["setting"]) for c in fam})
+        if not settings:
+            continue
+        fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.4), squeeze=False,
+                                 sharey=True)
+        for ax, (dial, setting) in zip(axes[0], settings):
+            here = [c for c in fam if c["setting"] == setting]
+            rs = sorted({c["r"] for c in here})
+            for arm in [a for a in ARMS if any(c["arm"] == a for c in here)]:
+                pts = sorted((c["r"], c["error"]) for c in here if c["arm"] == arm)
+                x = [r for r, _ in pts]
+                med = [e["median"] for _, e in pts]
+                lo = [m - e["range"][0] for m, (_, e) in zip(med, pts)]
+                hi = [e["range"][1] - m for m, (_, e) in zip(med, pts)]
+                ax.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, label=arm, color=COLOURS[arm])
+            looped = {c["r"]: c["error"]["median"] for c in here if c["arm"] == "looped"}
+            for i, (label, x, y) in enumerate(predicted(family, dial, rs, looped)):
+                ax.plot(x, y, ls=("--", ":")[i % 2], color="black", lw=1, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("symlog", linthresh=0.01)
+            ax.set_ylim(bottom=0)
+            ax.set_xticks(rs, [str(r) for r in rs])
+            ax.set_title(f"{family} {setting} (dial {dial:g})")
+            ax.set_xlabel("r")
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel("error (median, range over seeds)")
+        fig.tight_layout()
+        written.append(write_figure(fig, out / f"{family}.png"))
+        plt.close(fig)
+    return written
+
+
 def main(argv: list[str]) -> list[dict]:
     if len(argv) != 2:
         fail("usage: dial_summary.py SWEEPS OUT")
@@ -191,9 +257,10 @@ def main(argv: list[str]) -> list[dict]:
         tmp = out / (name + ".tmp")
         tmp.write_text(text)
         tmp.replace(out / name)
+    plot(cs, out)
     return rows
 
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    print(f"wrote {sys.argv[2]}/results.json, summary.md")
+    print(f"wrote {sys.argv[2]}/results.json, summary.md and a plot per family")
