@@ -1,12 +1,17 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-# records of verified data files go to a folder of this test session, not the user's cache
-os.environ.setdefault("LOOPFORMER_CACHE_DIR", tempfile.mkdtemp(prefix="loopformer-test-cache-"))
+# records of verified data files go to a folder of this test session, not the user's cache; the process that made
+# it (the session, whose workers inherit the variable) removes it at exit
+if "LOOPFORMER_CACHE_DIR" not in os.environ:
+    os.environ["LOOPFORMER_CACHE_DIR"] = tempfile.mkdtemp(prefix="loopformer-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LOOPFORMER_CACHE_DIR"], ignore_errors=True)
 
 # a run config that trains in a second (LCS of 3 letters, d = 8, 2 loops, 2 steps): the tests' smallest real run
 TINY_YAML = """\
