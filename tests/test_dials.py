@@ -146,6 +146,10 @@ def test_summary_of_made_up_runs(tmp_path):
     md = (out / "summary.md").read_text()
     assert "| labels | j15 | 4 | looped |" in md and "per doubling of r" in md
     assert (out / "labels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"                # the family's plot
+    vs = {v["id"]: v for v in back["predictions"]}                  # looped grows with J at r = 2 and 4, TMLT flat
+    assert vs["1"]["verdict"] == "met" and vs["1"]["held"] == "2/2"
+    assert vs["2c"]["verdict"] == "met" and vs["2a"]["verdict"] == "not run" and vs["3a"]["verdict"] == "not run"
+    assert "| 1 | labels |" in md and "| met |" in md
     with pytest.raises(SystemExit) as exc:                                               # bad input: exit status 2
         mod.main([str(tmp_path / "none"), str(out)])
     assert exc.value.code == 2
@@ -165,6 +169,28 @@ def test_the_study_stage_refuses_bad_input_in_one_line(tmp_path, env, args, line
                          text=True, env={**os.environ, "STUDY": str(tmp_path / "s"), **env}, timeout=60)
     assert out.returncode == 2 and out.stderr.strip().startswith(line) and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "s").exists()                                                # nothing started
+
+
+def test_predictions_judged_against_hand_made_slopes():
+    mod = _summary()
+
+    def rows(slopes: dict[str, float]) -> list[dict]:       # error = slope · J (+ seed noise), J = 1, 15, r = 4
+        return [{"family": "labels", "setting": f"j{j}", "r": 4, "arm": arm, "dial": float(j), "seed": seed,
+                 "error": k * j + 0.001 * seed, "read": "per loop"} for arm, k in slopes.items() for j in (1, 15) for seed in (0, 1)]
+
+    got = rows({"looped": 0.05, "tmlt": 0.08, "eta": -0.01, "standard": 0.02})
+    vs = {p[0]: mod.judge(got, mod.cells(got), p) for p in mod.PREDICTIONS}
+    assert vs["1"]["verdict"] == "met"                                       # looped slope +0.05 > 0
+    assert vs["2c"]["verdict"] == "not met"                                  # the TMLT's +0.08 is not below +0.05
+    assert vs["2a"]["verdict"] == "met" and vs["2b"]["verdict"] == "met"     # η(t): -0.01 < 0.05; 0 < 0.75 at J=15
+    assert vs["5"]["verdict"] == "not met"                                   # |0.02| is not under 0.05 / 4
+    assert vs["2a"]["numbers"] == ["eta r=4: -0.01 vs +0.05"]
+    flat = [{"family": "map-token", "setting": "a2", "r": r, "arm": "looped", "dial": 2.0, "seed": seed,
+             "error": 0.01 * math.log2(r) + 0.001 * seed, "read": "at r"} for r in (8, 16) for seed in (0, 1)]
+    rule = next(p for p in mod.PREDICTIONS if p[0] == "3e")
+    for sign, verdict in ((-1, "met"), (1, "not met")):                      # falls with r / rises with r
+        flat = [dict(c, error=sign * abs(c["error"])) for c in flat]
+        assert mod.judge(flat, mod.cells(flat), rule)["verdict"] == verdict
 
 
 def test_predicted_shapes_are_the_theorems():

@@ -154,16 +154,87 @@ def fits(rows: list[dict]) -> list[dict]:
     return out
 
 
+# The predictions of studies/dials/README.md ("Predictions", written before the runs), each as a rule on the runs:
+# (id, family, what it says, kind, arms). Kinds, judged at every r the family has runs of both arms at:
+#   grows      the arm's least-squares slope of error against the dial (every seed a point) is > 0
+#   less       the arm's slope is below the looped model's
+#   below_top  the arm's median error at the largest dial setting is below the looped model's
+#   flat_r     the arm's slope against log2 r is <= 0 at every dial setting (the error does not rise with r)
+#   control    the arm's slope is under a quarter of the looped model's in size
+PREDICTIONS = [
+    ("1", "labels", "the looped model's per-loop label error grows with the jump J", "grows", ("looped",)),
+    ("2a", "labels", "the η(t) model's error grows less with J than the looped model's", "less", ("eta",)),
+    ("2b", "labels", "at the largest J the η(t) model's error is below the looped model's", "below_top", ("eta",)),
+    ("2c", "labels", "the TMLT's error grows less with J than the looped model's", "less", ("tmlt",)),
+    ("3a", "map-token", "the looped model's bin error grows with the token modulus α", "grows", ("looped",)),
+    ("3b", "map-token", "the TMLT's and the η(t) model's grow less with α", "less", ("tmlt", "eta")),
+    ("3c", "map-context", "the looped model's bin error grows with the contextual modulus β", "grows", ("looped",)),
+    ("3d", "map-context", "the TMLT's and the η(t) model's grow less with β", "less", ("tmlt", "eta")),
+    ("3e", "map-token", "the looped model's error does not rise with r", "flat_r", ("looped",)),
+    ("4a", "period", "the looped model's per-loop state error grows with the distinct layers p", "grows", ("looped",)),
+    ("4b", "period", "the TMLT's and the η(t) model's grow less with p", "less", ("tmlt", "eta")),
+    ("5", "labels", "the standard transformer's error (one read-out, the last label) does not move with J", "control",
+     ("standard",)),
+]
+
+
+def dial_slope(rows: list[dict], family: str, arm: str, r: int) -> float | None:
+    """The least-squares slope of the error against the dial over the runs of (family, arm, r); None: < 2 dials."""
+    cs = [c for c in rows if c["family"] == family and c["arm"] == arm and c["r"] == r]
+    f = fit(None, [c["dial"] for c in cs], [c["error"] for c in cs]) if len({c["dial"] for c in cs}) > 1 else None
+    return f["slope_dial"] if f else None
+
+
+def judge(rows: list[dict], cs: list[dict], pred: tuple) -> dict:
+    """One prediction's verdict over the runs: "met", "not met" or "not run", with the numbers it rests on."""
+    pid, family, text, kind, arms = pred
+    rs = sorted({c["r"] for c in rows if c["family"] == family and c["r"]})
+    checks, numbers = [], []
+    for arm in arms:
+        for r in rs:
+            mine, looped = dial_slope(rows, family, arm, r), dial_slope(rows, family, "looped", r)
+            if kind == "grows" and mine is not None:
+                checks.append(mine > 0)
+                numbers.append(f"r={r}: {mine:+.3g}")
+            elif kind in ("less", "control") and mine is not None and looped is not None:
+                checks.append(mine < looped if kind == "less" else abs(mine) < abs(looped) / 4)
+                numbers.append(f"{arm} r={r}: {mine:+.3g} vs {looped:+.3g}")
+            elif kind == "below_top":
+                at = {(c["arm"], c["r"]): c["error"]["median"] for c in cs if c["family"] == family and
+                      c["dial"] == max(x["dial"] for x in cs if x["family"] == family)}
+                if (arm, r) in at and ("looped", r) in at:
+                    checks.append(at[(arm, r)] < at[("looped", r)])
+                    numbers.append(f"r={r}: {at[(arm, r)]:.3g} vs {at[('looped', r)]:.3g}")
+        if kind == "flat_r":
+            for setting in sorted({c["setting"] for c in rows if c["family"] == family and c["arm"] == arm}):
+                pts = [c for c in rows if c["family"] == family and c["arm"] == arm and c["setting"] == setting]
+                f = fit([math.log2(c["r"]) for c in pts], None, [c["error"] for c in pts]) if \
+                    len({c["r"] for c in pts}) > 1 else None
+                if f:
+                    checks.append(f["slope_log2_r"] <= 0)
+                    numbers.append(f"{setting}: {f['slope_log2_r']:+.3g} per doubling")
+    verdict = "not run" if not checks else "met" if all(checks) else "not met"
+    return {"id": pid, "family": family, "prediction": text, "verdict": verdict,
+            "held": f"{sum(checks)}/{len(checks)}", "numbers": numbers}
+
+
 def num(v, digits: int = 4) -> str:
     return "—" if v is None else f"{v:.{digits}g}"
 
 
-def markdown(cs: list[dict], fs: list[dict], n_runs: int) -> str:
+def markdown(cs: list[dict], fs: list[dict], n_runs: int, vs: list[dict]) -> str:
     lines = ["# The dials study: error against r and the dial", "",
              f"{n_runs} finished runs (`python studies/dials/dial_summary.py SWEEPS OUT`). The error is lower-is-"
              "better (labels: per-loop label error; map: bin error; period: per-loop state error; the module "
              "docstring of dial_summary.py says how each is read). Predictions: studies/dials/README.md.", "",
-             "## Error at r per cell (median and range over seeds)", "",
+             "## The predictions, judged", "",
+             "Each at every r with runs (slopes: least squares of the error against the dial, every seed a point; "
+             "`PREDICTIONS` in dial_summary.py states each rule).", "",
+             "| # | family | prediction | verdict | held | numbers |", "|---|---|---|---|---:|---|"]
+    for v in vs:
+        lines.append(f"| {v['id']} | {v['family']} | {v['prediction']} | {v['verdict']} | {v['held']} | "
+                     f"{'; '.join(v['numbers']) or '—'} |")
+    lines += ["", "## Error at r per cell (median and range over seeds)", "",
              "| family | setting | r | arm | seeds | read | median | range |", "|---|---|---:|---|---:|---|---:|---|"]
     for c in cs:
         e = c["error"]
@@ -251,9 +322,11 @@ def main(argv: list[str]) -> list[dict]:
         fail(f"no folder {sweeps}")
     rows = collect(sweeps, out)
     cs, fs = cells(rows), fits(rows)
+    vs = [judge(rows, cs, p) for p in PREDICTIONS]
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("results.json", json.dumps({"records": rows, "cells": cs, "fits": fs}, indent=1) + "\n"),
-                       ("summary.md", markdown(cs, fs, len(rows)))):
+    for name, text in (("results.json", json.dumps({"records": rows, "cells": cs, "fits": fs, "predictions": vs},
+                                                   indent=1) + "\n"),
+                       ("summary.md", markdown(cs, fs, len(rows), vs))):
         tmp = out / (name + ".tmp")
         tmp.write_text(text)
         tmp.replace(out / name)
