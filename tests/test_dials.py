@@ -183,8 +183,11 @@ def test_predictions_judged_against_hand_made_slopes():
     assert vs["1"]["verdict"] == "met"                                       # looped slope +0.05 > 0
     assert vs["2c"]["verdict"] == "not met"                                  # the TMLT's +0.08 is not below +0.05
     assert vs["2a"]["verdict"] == "met" and vs["2b"]["verdict"] == "met"     # η(t): -0.01 < 0.05; 0 < 0.75 at J=15
-    assert vs["5"]["verdict"] == "not met"                                   # |0.02| is not under 0.05 / 4
+    assert vs["5"]["verdict"] == "not met"                                   # |0.02| is above 0.05 / 4
     assert vs["2a"]["numbers"] == ["eta r=4: -0.01 vs +0.05"]
+    exact = [dict(c, error=0.0) for c in rows({"looped": 0.0, "standard": 0.0})]    # every arm exact at every J
+    vs = {p[0]: mod.judge(exact, mod.cells(exact), p) for p in mod.PREDICTIONS}
+    assert vs["5"]["verdict"] == "met" and vs["1"]["verdict"] == "not met"        # no move with J; no growth
     flat = [{"family": "map-token", "setting": "a2", "r": r, "arm": "looped", "dial": 2.0, "seed": seed,
              "error": 0.01 * math.log2(r) + 0.001 * seed, "read": "at r"} for r in (8, 16) for seed in (0, 1)]
     rule = next(p for p in mod.PREDICTIONS if p[0] == "3e")

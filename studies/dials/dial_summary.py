@@ -160,7 +160,7 @@ def fits(rows: list[dict]) -> list[dict]:
 #   less       the arm's slope is below the looped model's
 #   below_top  the arm's median error at the largest dial setting is below the looped model's
 #   flat_r     the arm's slope against log2 r is <= 0 at every dial setting (the error does not rise with r)
-#   control    the arm's slope is under a quarter of the looped model's in size
+#   control    the arm's slope is at most a quarter of the looped model's in size (0 where the looped one is 0)
 PREDICTIONS = [
     ("1", "labels", "the looped model's per-loop label error grows with the jump J", "grows", ("looped",)),
     ("2a", "labels", "the η(t) model's error grows less with J than the looped model's", "less", ("eta",)),
@@ -197,7 +197,7 @@ def judge(rows: list[dict], cs: list[dict], pred: tuple) -> dict:
                 checks.append(mine > 0)
                 numbers.append(f"r={r}: {mine:+.3g}")
             elif kind in ("less", "control") and mine is not None and looped is not None:
-                checks.append(mine < looped if kind == "less" else abs(mine) < abs(looped) / 4)
+                checks.append(mine < looped if kind == "less" else abs(mine) <= abs(looped) / 4)
                 numbers.append(f"{arm} r={r}: {mine:+.3g} vs {looped:+.3g}")
             elif kind == "below_top":
                 at = {(c["arm"], c["r"]): c["error"]["median"] for c in cs if c["family"] == family and
