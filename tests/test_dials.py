@@ -184,7 +184,12 @@ def test_predictions_judged_against_hand_made_slopes():
     assert vs["2c"]["verdict"] == "not met"                                  # the TMLT's +0.08 is not below +0.05
     assert vs["2a"]["verdict"] == "met" and vs["2b"]["verdict"] == "met"     # η(t): -0.01 < 0.05; 0 < 0.75 at J=15
     assert vs["5"]["verdict"] == "not met"                                   # |0.02| is above 0.05 / 4
-    assert vs["2a"]["numbers"] == ["eta r=4: -0.01 vs +0.05"]
+    assert vs["2a"]["numbers"] == ["eta r=4: -0.01 vs +0.05 (2/2 seeds)"]
+    split = [c for c in got if c["arm"] == "looped"] + [                 # TMLT slopes 0 and 0.06 on seeds 0 and 1
+        dict(c, arm="tmlt", error=(0.0 if c["seed"] == 0 else 0.06) * c["dial"]) for c in got if c["arm"] == "looped"]
+    v = mod.judge(split, mod.cells(split), next(p for p in mod.PREDICTIONS if p[0] == "2c"))
+    assert mod.dial_slope(split, "labels", "tmlt", 4) == pytest.approx(0.03)          # below 0.05 over both seeds,
+    assert v["verdict"] == "not met" and v["numbers"] == ["tmlt r=4: +0.03 vs +0.05 (1/2 seeds)"]  # not on seed 1
     exact = [dict(c, error=0.0) for c in rows({"looped": 0.0, "standard": 0.0})]    # every arm exact at every J
     vs = {p[0]: mod.judge(exact, mod.cells(exact), p) for p in mod.PREDICTIONS}
     assert vs["5"]["verdict"] == "met" and vs["1"]["verdict"] == "not met"        # no move with J; no growth

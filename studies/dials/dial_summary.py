@@ -155,10 +155,12 @@ def fits(rows: list[dict]) -> list[dict]:
 
 
 # The predictions of studies/dials/README.md ("Predictions", written before the runs), each as a rule on the runs:
-# (id, family, what it says, kind, arms). Kinds, judged at every r the family has runs of both arms at:
-#   grows      the arm's least-squares slope of error against the dial (every seed a point) is > 0
+# (id, family, what it says, kind, arms). Each kind is judged at every r the family has runs of both arms at, and
+# on every seed: a seed's runs give their own slope, compared with the looped model's of the same seed (paired by
+# seed, the registry's sign-test rule: at 3 seeds all three must agree). Kinds:
+#   grows      the arm's least-squares slope of error against the dial is > 0
 #   less       the arm's slope is below the looped model's
-#   below_top  the arm's median error at the largest dial setting is below the looped model's
+#   below_top  the arm's error at the largest dial setting is below the looped model's
 #   flat_r     the arm's slope against log2 r is <= 0 at every dial setting (the error does not rise with r)
 #   control    the arm's slope is at most a quarter of the looped model's in size (0 where the looped one is 0)
 PREDICTIONS = [
@@ -178,41 +180,77 @@ PREDICTIONS = [
 ]
 
 
-def dial_slope(rows: list[dict], family: str, arm: str, r: int) -> float | None:
-    """The least-squares slope of the error against the dial over the runs of (family, arm, r); None: < 2 dials."""
-    cs = [c for c in rows if c["family"] == family and c["arm"] == arm and c["r"] == r]
-    f = fit(None, [c["dial"] for c in cs], [c["error"] for c in cs]) if len({c["dial"] for c in cs}) > 1 else None
-    return f["slope_dial"] if f else None
+def dial_slope(rows: list[dict], family: str, arm: str, r: int, seed: int | None = None) -> float | None:
+    """The least-squares slope of the error against the dial over the runs of (family, arm, r) — of one seed's
+    runs, or of every seed's (each run a point); None: fewer than 2 dial settings."""
+    cs = [c for c in rows if c["family"] == family and c["arm"] == arm and c["r"] == r and
+          (seed is None or c["seed"] == seed)]
+    return slope([c["dial"] for c in cs], [c["error"] for c in cs])
+
+
+def slope(x: list[float], y: list[float]) -> float | None:
+    """The least-squares slope of y against x (with an intercept; two points: the line through them); None when x
+    takes fewer than 2 values."""
+    if len(set(x)) < 2:
+        return None
+    xv, yv = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    return float(((xv - xv.mean()) * (yv - yv.mean())).sum() / ((xv - xv.mean()) ** 2).sum())
+
+
+def seed_checks(rows: list[dict], family: str, kind: str, arm: str, r: int) -> tuple[list[bool], str]:
+    """One r's check on every seed (paired with the looped model's seed), and its numbers: the slopes over every
+    seed's runs (or the medians at the top dial) and how many seeds held."""
+    seeds = sorted({c["seed"] for c in rows if c["family"] == family and c["arm"] == arm and c["r"] == r})
+    ok, label = [], ""
+    if kind == "below_top":
+        top = max(c["dial"] for c in rows if c["family"] == family)
+        at = {(c["arm"], c["seed"]): c["error"] for c in rows if c["family"] == family and c["r"] == r and
+              c["dial"] == top}
+        ok = [at[(arm, s)] < at[("looped", s)] for s in seeds if (arm, s) in at and ("looped", s) in at]
+        mine = [at[(arm, s)] for s in seeds if (arm, s) in at]
+        theirs = [e for (a, _), e in at.items() if a == "looped"]
+        if ok:
+            label = f"r={r}: {statistics.median(mine):.3g} vs {statistics.median(theirs):.3g}"
+    else:
+        for s in seeds:
+            mine, looped = dial_slope(rows, family, arm, r, s), dial_slope(rows, family, "looped", r, s)
+            if kind == "grows" and mine is not None:
+                ok.append(mine > 0)
+            elif kind in ("less", "control") and mine is not None and looped is not None:
+                ok.append(mine < looped if kind == "less" else abs(mine) <= abs(looped) / 4)
+        mine, looped = dial_slope(rows, family, arm, r), dial_slope(rows, family, "looped", r)
+        if ok:
+            label = f"r={r}: {mine:+.3g}" if kind == "grows" else f"{arm} r={r}: {mine:+.3g} vs {looped:+.3g}"
+    return ok, f"{label} ({sum(ok)}/{len(ok)} seeds)" if ok else ""
 
 
 def judge(rows: list[dict], cs: list[dict], pred: tuple) -> dict:
-    """One prediction's verdict over the runs: "met", "not met" or "not run", with the numbers it rests on."""
+    """One prediction's verdict over the runs: "met" (it held at every r, on every seed), "not met" or "not run",
+    with the numbers it rests on; "held" counts the r (and settings) at which it held on every seed."""
     pid, family, text, kind, arms = pred
     rs = sorted({c["r"] for c in rows if c["family"] == family and c["r"]})
     checks, numbers = [], []
     for arm in arms:
-        for r in rs:
-            mine, looped = dial_slope(rows, family, arm, r), dial_slope(rows, family, "looped", r)
-            if kind == "grows" and mine is not None:
-                checks.append(mine > 0)
-                numbers.append(f"r={r}: {mine:+.3g}")
-            elif kind in ("less", "control") and mine is not None and looped is not None:
-                checks.append(mine < looped if kind == "less" else abs(mine) <= abs(looped) / 4)
-                numbers.append(f"{arm} r={r}: {mine:+.3g} vs {looped:+.3g}")
-            elif kind == "below_top":
-                at = {(c["arm"], c["r"]): c["error"]["median"] for c in cs if c["family"] == family and
-                      c["dial"] == max(x["dial"] for x in cs if x["family"] == family)}
-                if (arm, r) in at and ("looped", r) in at:
-                    checks.append(at[(arm, r)] < at[("looped", r)])
-                    numbers.append(f"r={r}: {at[(arm, r)]:.3g} vs {at[('looped', r)]:.3g}")
-        if kind == "flat_r":
-            for setting in sorted({c["setting"] for c in rows if c["family"] == family and c["arm"] == arm}):
-                pts = [c for c in rows if c["family"] == family and c["arm"] == arm and c["setting"] == setting]
-                f = fit([math.log2(c["r"]) for c in pts], None, [c["error"] for c in pts]) if \
-                    len({c["r"] for c in pts}) > 1 else None
-                if f:
-                    checks.append(f["slope_log2_r"] <= 0)
-                    numbers.append(f"{setting}: {f['slope_log2_r']:+.3g} per doubling")
+        if kind != "flat_r":
+            for r in rs:
+                ok, label = seed_checks(rows, family, kind, arm, r)
+                if ok:
+                    checks.append(all(ok))
+                    numbers.append(label)
+            continue
+        for setting in sorted({c["setting"] for c in rows if c["family"] == family and c["arm"] == arm}):
+            pts = [c for c in rows if c["family"] == family and c["arm"] == arm and c["setting"] == setting]
+            ok = []
+            for s in sorted({c["seed"] for c in pts}):
+                mine = [c for c in pts if c["seed"] == s]
+                k = slope([math.log2(c["r"]) for c in mine], [c["error"] for c in mine])
+                if k is not None:
+                    ok.append(k <= 0)
+            f = fit([math.log2(c["r"]) for c in pts], None, [c["error"] for c in pts]) if \
+                len({c["r"] for c in pts}) > 1 else None
+            if ok and f:
+                checks.append(all(ok))
+                numbers.append(f"{setting}: {f['slope_log2_r']:+.3g} per doubling ({sum(ok)}/{len(ok)} seeds)")
     verdict = "not run" if not checks else "met" if all(checks) else "not met"
     return {"id": pid, "family": family, "prediction": text, "verdict": verdict,
             "held": f"{sum(checks)}/{len(checks)}", "numbers": numbers}
@@ -228,7 +266,8 @@ def markdown(cs: list[dict], fs: list[dict], n_runs: int, vs: list[dict]) -> str
              "better (labels: per-loop label error; map: bin error; period: per-loop state error; the module "
              "docstring of dial_summary.py says how each is read). Predictions: studies/dials/README.md.", "",
              "## The predictions, judged", "",
-             "Each at every r with runs (slopes: least squares of the error against the dial, every seed a point; "
+             "Each at every r with runs and on every seed, paired by seed (slopes: least squares of the error "
+             "against the dial; the slope shown is over every seed's runs; "
              "`PREDICTIONS` in dial_summary.py states each rule).", "",
              "| # | family | prediction | verdict | held | numbers |", "|---|---|---|---|---:|---|"]
     for v in vs:
