@@ -321,11 +321,13 @@ def plot(cs: list[dict], out: Path) -> list[Path]:
     written = []
     for family in sorted({c["family"] for c in cs}):
         fam = [c for c in cs if c["family"] == family and c["r"]]
-        settings = sorted({(c["dial"], c["setting"]) for c in fam})
+        dials = {}                                   # setting -> its dial values (period's p = K follows r)
+        for c in fam:
+            dials.setdefault(c["setting"], set()).add(c["dial"])
+        settings = sorted((min(v), k) for k, v in dials.items())
         if not settings:
             continue
-        fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.4), squeeze=False,
-                                 sharey=True)
+        fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.4), squeeze=False)
         for ax, (dial, setting) in zip(axes[0], settings):
             here = [c for c in fam if c["setting"] == setting]
             rs = sorted({c["r"] for c in here})
@@ -337,16 +339,18 @@ def plot(cs: list[dict], out: Path) -> list[Path]:
                 hi = [e["range"][1] - m for m, (_, e) in zip(med, pts)]
                 ax.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, label=arm, color=COLOURS[arm])
             looped = {c["r"]: c["error"]["median"] for c in here if c["arm"] == "looped"}
+            top = max(c["error"]["range"][1] for c in here)
             for i, (label, x, y) in enumerate(predicted(family, dial, rs, looped)):
                 ax.plot(x, y, ls=("--", ":")[i % 2], color="black", lw=1, label=label)
+                top = max(top, *y)
             ax.set_xscale("log", base=2)
             ax.set_yscale("symlog", linthresh=0.01)
-            ax.set_ylim(bottom=0)
+            ax.set_ylim(0, 2 * top if top > 0 else 1)
             ax.set_xticks(rs, [str(r) for r in rs])
-            ax.set_title(f"{family} {setting} (dial {dial:g})")
+            ax.set_title(f"{family} {setting} (dial {', '.join(f'{v:g}' for v in sorted(dials[setting]))})")
             ax.set_xlabel("r")
             ax.legend(fontsize=7)
-        axes[0][0].set_ylabel("error (median, range over seeds)")
+        axes[0][0].set_ylabel("error (median, range over seeds)")   # symlog: linear below 0.01
         fig.tight_layout()
         written.append(write_figure(fig, out / f"{family}.png"))
         plt.close(fig)
