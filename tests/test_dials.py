@@ -176,7 +176,8 @@ def test_predictions_judged_against_hand_made_slopes():
 
     def rows(slopes: dict[str, float]) -> list[dict]:       # error = slope · J (+ seed noise), J = 1, 15, r = 4
         return [{"family": "labels", "setting": f"j{j}", "r": 4, "arm": arm, "dial": float(j), "seed": seed,
-                 "error": k * j + 0.001 * seed, "read": "per loop"} for arm, k in slopes.items() for j in (1, 15) for seed in (0, 1)]
+                 "error": k * j + 0.001 * seed, "read": "per loop"}
+                for arm, k in slopes.items() for j in (1, 15) for seed in (0, 1)]
 
     got = rows({"looped": 0.05, "tmlt": 0.08, "eta": -0.01, "standard": 0.02})
     vs = {p[0]: mod.judge(got, mod.cells(got), p) for p in mod.PREDICTIONS}
