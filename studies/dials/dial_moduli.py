@@ -37,6 +37,7 @@ import torch
 
 from loopformer.configio import from_dict
 from loopformer.errors import UserError
+from loopformer.model.diagnostics import loop_dynamics
 from loopformer.model.io import load, read_config, resolve_checkpoint
 from loopformer.sources import make_data
 from loopformer.sources.base import TaskConfig
@@ -52,33 +53,29 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def loop_outputs(run: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float]:
-    """(pred [r,N,w] label units, step targets [N,K,w] label units, keys [N,w], labels L, mean relative update)."""
-    ckpt = resolve_checkpoint(str(run / "checkpoint"))
+def loop_outputs(ckpt: Path) -> tuple[np.ndarray, np.ndarray, float, int]:
+    """(pred [r,N,w] and step targets [N,K,w] in label units, the mean relative update per loop, the row width w)."""
     _, extra = read_config(ckpt)
-    task_cfg = from_dict(TaskConfig, extra["run"]["task"])
-    data = make_data(task_cfg)
+    data = make_data(from_dict(TaskConfig, extra["run"]["task"]))
     model = load(ckpt, device="cpu").eval()
-    task = data.task
-    r = model.config.loops
+    task, r = data.task, model.config.loops
     rows = data.test_rows(ROWS)
     preds, updates = [], []
-    with torch.no_grad():
-        for i in range(0, len(rows["inputs"]), 500):
-            x = torch.as_tensor(rows["inputs"][i:i + 500], dtype=torch.long)              # [b,w] key ids
-            out = model(x, loops=r, return_all=True)
-            preds.append(out.all_logits.argmax(-1).numpy())                                # [r,b,w]
-            hs = torch.cat([model.embed(x)[None], out.all_hidden], 0).double()            # [r+1,b,w,D]
-            diff = (hs[1:] - hs[:-1]).flatten(2).norm(dim=2)                               # [r,b]
-            updates.append((diff / hs[:-1].flatten(2).norm(dim=2).clamp(min=1e-12)).mean(0).numpy())
+    for i in range(0, len(rows["inputs"]), 500):
+        x = torch.as_tensor(rows["inputs"][i:i + 500], dtype=torch.long)                  # [b,w] key ids
+        y = torch.as_tensor(rows["targets"][i:i + 500], dtype=torch.long)
+        with torch.no_grad():
+            preds.append(model(x, loops=r, return_all=True).all_logits.argmax(-1).numpy())  # [r,b,w]
+            updates += [u * len(x) for u in loop_dynamics(model, x, y, loops=r)["update"]]  # per loop, by rows
     pred = np.concatenate(preds, axis=1).astype(np.int64) - task.first_label              # [r,N,w]
     pred = np.clip(pred, 0, task.labels - 1)          # a non-label answer counts as the nearest label
     steps = np.asarray(rows["step_targets"], dtype=np.int64) - task.first_label           # [N,K,w]
-    return pred, steps, rows["inputs"], task.labels, float(np.concatenate(updates).mean())
+    return pred, steps, sum(updates) / (r * len(rows["inputs"])), task.width
 
 
 def measure(run: Path, delta: float) -> dict:
-    pred, steps, _, _, update = loop_outputs(run)
+    ckpt = resolve_checkpoint(str(run / "checkpoint"))
+    pred, steps, update, width = loop_outputs(ckpt)
     r = pred.shape[0]
     out = {"update": update}
     if r >= 2:
@@ -87,8 +84,6 @@ def measure(run: Path, delta: float) -> dict:
         out.update(model_jump=float(mj.mean()), target_jump=float(tj.mean()), model_max_jump=int(mj.max()),
                    target_max_jump=int(tj.max()))
         out["tracking"] = out["model_jump"] / out["target_jump"] if out["target_jump"] > 0 else None
-    ckpt = resolve_checkpoint(str(run / "checkpoint"))
-    width = int(json.loads((run / "results.json").read_text())["task"]["options"]["width"])
     f, d, lo, hi = checkpoint_target(str(ckpt), width)
     for kind in ("tok", "cont"):
         est = estimate_modulus(f, delta, kind, d=d, N=width, samples=1024, steps=50, restarts=4, lo=lo, hi=hi)

@@ -246,11 +246,10 @@ def judge(rows: list[dict], cs: list[dict], pred: tuple) -> dict:
                 k = slope([math.log2(c["r"]) for c in mine], [c["error"] for c in mine])
                 if k is not None:
                     ok.append(k <= 0)
-            f = fit([math.log2(c["r"]) for c in pts], None, [c["error"] for c in pts]) if \
-                len({c["r"] for c in pts}) > 1 else None
-            if ok and f:
+            k = slope([math.log2(c["r"]) for c in pts], [c["error"] for c in pts])
+            if ok and k is not None:
                 checks.append(all(ok))
-                numbers.append(f"{setting}: {f['slope_log2_r']:+.3g} per doubling ({sum(ok)}/{len(ok)} seeds)")
+                numbers.append(f"{setting}: {k:+.3g} per doubling ({sum(ok)}/{len(ok)} seeds)")
     verdict = "not run" if not checks else "met" if all(checks) else "not met"
     return {"id": pid, "family": family, "prediction": text, "verdict": verdict,
             "held": f"{sum(checks)}/{len(checks)}", "numbers": numbers}
