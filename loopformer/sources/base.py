@@ -149,6 +149,11 @@ class DataSource:
         """The largest token id in the test split's inputs (None: the inputs are not token ids)."""
         return None
 
+    def intermediate_steps(self) -> int | None:
+        """K, the intermediate states each training row carries (step_targets [N,K,T], per-loop targets); None
+        without them."""
+        return None
+
     def plan(self, step: int, batch_size: int) -> np.ndarray:
         raise NotImplementedError
 

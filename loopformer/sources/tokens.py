@@ -130,6 +130,9 @@ class TokenData(DataSource):
     def max_input_id(self) -> int | None:
         return int(np.max(self.test["inputs"])) if len(self.test["inputs"]) else None
 
+    def intermediate_steps(self) -> int | None:
+        return int(self.train["step_targets"].shape[1]) if "step_targets" in self.train else None
+
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
         if cfg.data_dir:

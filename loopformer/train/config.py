@@ -102,6 +102,11 @@ class LoopSampling:
     start: int = 0                    # loop curriculum: start with this many loops (0: off) ...
     every: int = 1000                 # ... and add `increment` loops every `every` steps, up to model.loops
     increment: int = 1
+    start_at_steps: bool = False      # the curriculum starts at the task's K intermediate steps (task.loop_targets):
+                                      # one step per loop and nothing to hold, whatever K; `start` is then unused
+    gate: float = 0.0                 # a in (0, 1]: the curriculum's clock runs only through log windows whose
+                                      # training accuracy is >= a (the count stays until the task is learned at
+                                      # it, then rises; a fall below a stops it, and the hold's ramp); 0: the step
     # elastic depth (docs/elastic-depth.md): train one model for a range of loop budgets
     sample: str = "fixed"             # the loop count R of a step: "fixed" (model.loops, or the curriculum) | drawn
                                       # "uniform" over min..max | "loguniform" (each octave alike);
@@ -135,6 +140,10 @@ class LoopSampling:
         _need(self.hold == 0 or self.sample == "fixed",
               "train.loops.hold draws the loop counts r..f·r itself: leave train.loops.sample at fixed")
         _need(0 <= self.jitter <= 1024, f"train.loops.jitter must be in 0..1024 (got {self.jitter})")
+        _need(math.isfinite(self.gate) and 0 <= self.gate <= 1,
+              f"train.loops.gate must be 0 (off) or in (0, 1] (got {self.gate})")
+        _need(self.gate == 0 or self.start > 0 or self.start_at_steps,
+              "train.loops.gate gates a loop curriculum: set train.loops.start or train.loops.start_at_steps")
         _need(self.hold_ramp >= 0, f"train.loops.hold_ramp must be >= 0 (got {self.hold_ramp})")
         _need(self.hold_ramp == 0 or self.hold > 0,
               "train.loops.hold_ramp ramps the hold's draws: set train.loops.hold")
@@ -503,6 +512,9 @@ class RunConfig:
         if m.supervision_steps > 1 and gate_loss:
             _need(loss.exit_loss == "target", "with model.supervision_steps > 1 the exit gate learns across steps: "
                                               "train.losses.exit_loss must be 'target'")
+        _need(not loops.start_at_steps or self.task.loop_targets,
+              "train.loops.start_at_steps starts the curriculum at the task's intermediate steps: it needs "
+              "task.loop_targets")
         if self.task.loop_targets:
             _need(loss.loops != "last", "task.loop_targets supervises every loop in the loss: set "
                                         "train.losses.loops to all or window")
@@ -522,7 +534,7 @@ class RunConfig:
                 _need(not gate_loss,
                       "train.loops.sample_per=row cannot train an exit gate (use train.loops.sample_per=batch)")
         if m.loop_rule != "fixed":
-            _need(not loops.samples_budgets and loops.start == 0,
+            _need(not loops.samples_budgets and loops.start == 0 and not loops.start_at_steps,
                   f"model.loop_rule={m.loop_rule} sets every row's loops from its size: it excludes train.loops.sample "
                   "and the loop curriculum (random loops on top of the rule: train.loops.jitter)")
             _need(m.supervision_steps == 1 and m.solver == "unroll",

@@ -5,7 +5,9 @@ Schedules (multipliers of the peak lr, paper App. C.1.3 and C.3):
     cosine     warm-up, then lr_min + (lr - lr_min)·(1 + cos(π·p))/2, p the post-warm-up progress (nanoGPT's)
     constant   warm-up, then lr
     onecycle   warm-up, then cosine to min_lr (cosine with warm-up set by `warmup_fraction`)
-Loop curriculum (`train.loops.start`): the loop count rises by `increment` every `every` steps.
+Loop curriculum (`train.loops.start`): the loop count rises by `increment` every `every` steps of its clock — the
+step, or with `train.loops.gate` the steps of the log windows whose training accuracy reached the gate (`gate_clock`;
+the count stays until the task is learned at it, whatever the step budget or the task's difficulty).
 Elastic depth (`train.loops.sample`): the loop count of a step (or of each row) drawn from a budget range by a
 generator seeded with (seed, step) (docs/elastic-depth.md; its losses are `loopformer.train.losses`); with a loop
 curriculum, drawn once the curriculum has reached the model's loops.
@@ -43,11 +45,19 @@ def lr_at(cfg: OptimConfig, step: int, total: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))   # cosine / onecycle
 
 
-def loops_at(cfg: LoopSampling, step: int, final: int) -> int:
-    """Training loop count at `step`: the loop curriculum, or the model's loops when it is off."""
+def loops_at(cfg: LoopSampling, clock: int, final: int) -> int:
+    """Training loop count at curriculum clock `clock` (the step, or `gate_clock`): the loop curriculum, or the
+    model's loops when it is off."""
     if cfg.start <= 0:
         return final
-    return min(final, cfg.start + (step // cfg.every) * cfg.increment)
+    return min(final, cfg.start + (clock // cfg.every) * cfg.increment)
+
+
+def gate_clock(clock: int, accuracy: float, window: int, gate: float) -> int:
+    """The curriculum clock after a log window of `window` steps whose training accuracy was `accuracy`
+    (`train.loops.gate` = a): clock + window when accuracy >= a, else clock — the count rises only through steps
+    trained at a loop count the model has learned."""
+    return clock + window if accuracy >= gate else clock
 
 
 def curriculum_end(cfg: LoopSampling, final: int) -> int | None:
@@ -58,21 +68,24 @@ def curriculum_end(cfg: LoopSampling, final: int) -> int | None:
     return math.ceil((final - cfg.start) / cfg.increment) * cfg.every
 
 
-def sample_loops(cfg: LoopSampling, step: int, final: int, seed: int, rows: int = 1) -> np.ndarray:
+def sample_loops(cfg: LoopSampling, step: int, final: int, seed: int, rows: int = 1,
+                 clock: int | None = None) -> np.ndarray:
     """Loop budgets of step `step` (`train.loops.sample`): [rows] ints in min..max, drawn "uniform" or
     "loguniform" (⌊exp(U(log lo, log(hi + 1)))⌋: each octave equally often) by a generator seeded with
     (seed, step) — the same draw on every process and after a resume. "fixed": `loops_at` for every row. With a loop
     curriculum as well (`start`), the curriculum's count until it reaches `final`, the draws from then on
     (e.g. budgets past r once the r loops are learned, so that the answer is trained to hold past them); before step
     `sample_from`, never a draw. With `hold_ramp` the hold's upper bound grows linearly from r to ⌈f·r⌉ over that
-    many steps from the first draw."""
-    R = loops_at(cfg, step, final)
+    many steps from the first draw. `clock`: the curriculum's clock (`gate_clock`; None: the step), which also
+    times the ramp."""
+    at = step if clock is None else clock
+    R = loops_at(cfg, at, final)
     if not cfg.samples_budgets or R < final or step < cfg.sample_from:
         return np.full(rows, R, dtype=np.int64)
     lo, hi = cfg.budget_range(final)
     if cfg.hold_ramp:                    # the ramp: r .. r + (⌈f·r⌉ − r) · (steps drawn so far) / hold_ramp
-        first = max(cfg.sample_from, curriculum_end(cfg, final) or 0)
-        hi = lo + (hi - lo) * min(step - first, cfg.hold_ramp) // cfg.hold_ramp
+        first = max(cfg.sample_from if clock is None else 0, curriculum_end(cfg, final) or 0)
+        hi = lo + (hi - lo) * min(max(at - first, 0), cfg.hold_ramp) // cfg.hold_ramp
     rng = np.random.default_rng([seed, step, 0x100B5])
     if cfg.sample == "uniform" or cfg.hold:
         return rng.integers(lo, hi + 1, size=rows)

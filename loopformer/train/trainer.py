@@ -70,7 +70,7 @@ from loopformer.train.losses import (
     supervised,
     supervised_count,
 )
-from loopformer.train.optim import curriculum_end, freeze, lr_at, make_optimizer, sample_loops, steps_for
+from loopformer.train.optim import curriculum_end, freeze, gate_clock, lr_at, make_optimizer, sample_loops, steps_for
 from loopformer.train.rollback import RollbackGuard
 from loopformer.train.run import MetricsLog
 from loopformer.train.selection import BestKeeper, held_score
@@ -308,6 +308,10 @@ class Trainer:
         if cfg.eval.votes:
             self.data.check_votes()
         self.total = steps_for(tc.steps, tc.epochs, self.data.n_train, self.B)
+        # the loop counts' schedule: train.loops, its curriculum started at the task's K steps (start_at_steps)
+        self.loop_cfg = replace(tc.loops, start=self.data.intermediate_steps() or 0) if tc.loops.start_at_steps \
+            else tc.loops
+        self.clock = 0                           # the curriculum's clock (train.loops.gate; else the step is)
         self.val_data = self.data.validation() if tc.select.keep_best else None   # what keep_best selects by
         self.keeper = BestKeeper(self.data.higher_is_better) if tc.select.keep_best else None
         self.last_test: dict | None = None       # keep_best: the last step's test metrics, when other weights win
@@ -413,6 +417,7 @@ class Trainer:
             except UserError as exc:
                 raise UserError(f"cannot resume from {self.ckpt_dir}: {exc}") from None
         self.start, self.state = int(state["step"]), state
+        self.clock = int(state.get("curriculum_clock", 0))
         if self.start >= self.total and run.results_done(self.run_dir, self.start):
             self.finished = True
             return
@@ -514,12 +519,14 @@ class Trainer:
         the checkpoint when resuming)."""
         cfg, d, state = self.cfg, self.d, self.state
         if d.main:
-            reach = curriculum_end(cfg.train.loops, cfg.model.loops)   # the first step at model.loops (a curriculum)
+            reach = curriculum_end(self.loop_cfg, cfg.model.loops)   # the first step at model.loops (a curriculum;
+            #                                                          with a gate, the earliest)
             info = {"name": cfg.name, "config": to_dict(cfg), "seed": cfg.seed, "git": run.git_commit(),
                     "versions": run.package_versions(), "command": sys.argv, "world_size": d.world,
                     "device": str(d.device), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "resumed_from_step": self.start if self.resume else None, "total_steps": self.total,
                     "params": self.model.num_params(), "curriculum_reaches_loops_at": reach,
+                    "curriculum_start": self.loop_cfg.start or None,
                     "init_from": None if self.init_from is None else str(self.init_from.resolve())}
             run.write_start(self.run_dir, cfg, info)
             if reach is not None and reach >= self.total and not self.resume:
@@ -567,7 +574,8 @@ class Trainer:
         sets the step's loop count `self.loops`."""
         cfg, d, tc, data = self.cfg, self.d, self.cfg.train, self.data
         per_row = tc.loops.samples_budgets and tc.loops.sample_per == "row"
-        budgets = sample_loops(tc.loops, step, cfg.model.loops, cfg.seed, self.B if per_row else 1)   # [B] | [1]
+        budgets = sample_loops(self.loop_cfg, step, cfg.model.loops, cfg.seed, self.B if per_row else 1,
+                               clock=self.clock if self.loop_cfg.gate else None)   # [B] | [1]
         self.loops = int(budgets.max())                         # the step's loop count (per row: the largest)
         keys = data.plan(step, self.B)                           # [B] global batch
         mine = np.array_split(keys, d.world)[d.rank]
@@ -688,6 +696,10 @@ class Trainer:
         if self.rollback is not None and "accuracy" in rec and \
                 self.rollback.update(rec["accuracy"], done, self._good_state):
             self.log.write(self._roll_back(done))              # the last good window's state is back
+        if self.loop_cfg.gate and "accuracy" in rec:           # the window's steps count if it reached the gate
+            L = self.cfg.train.log_every
+            self.clock = gate_clock(self.clock, rec["accuracy"], done - (done - 1) // L * L, self.loop_cfg.gate)
+            rec["curriculum_clock"] = self.clock
         if not math.isfinite(rec["loss"]):
             raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
                             f"checkpoint is kept (lower train.optim.lr or enable train.optim.grad_clip)")
@@ -847,6 +859,7 @@ class Trainer:
                                             "scaler": self.scaler.state_dict() if self.scaler else None,
                                             "spikes": self.spikes.state_dict() if self.spikes else None,
                                             "rollback": self.rollback.state_dict() if self.rollback else None,
+                                            "curriculum_clock": self.clock,
                                             "keep_best": self.keeper.state_dict() if self.keeper else None,
                                             "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
                                             "train_time": self.train_time, "total_steps": self.total},
