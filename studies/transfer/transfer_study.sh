@@ -14,6 +14,8 @@
 #   ONLY=w10-cs1-r32 SEEDS=1 VARIANTS=true ...                 # ... on some settings, seeds and variants only
 #   bash studies/transfer/transfer_study.sh fixedpoint         # the fixed-point mode with a normalised state against
 #                                                              #   the unrolled loop (pointer chasing, 8 symbols 4 hops)
+#   bash studies/transfer/transfer_study.sh plateau            # pointer chasing, 32 symbols 10 hops, the loop count
+#                                                              #   fixed: is the first hop ever learned? (probes)
 #   bash studies/transfer/transfer_study.sh collect            # one record per finished cell into
 #                                                              #   studies/transfer/results.json, summary.md
 #
@@ -86,13 +88,31 @@ case "$stage" in
     FP=(configs/cpu/pointer.yaml task.options.symbols=8 task.options.hops=4 model.loops=8 task.loop_targets=false
         train.losses.loops=last train.loops.start=0 train.loops.hold=0 "train.steps=${FP_STEPS:-2000}"
         eval.max_loops=32 eval.drift=false "model.extensions.state_norm={}" threads=1)
-    for arm in unroll anderson; do
+    for arm in ${FP_ARMS:-unroll anderson}; do   # phantom: Anderson's solve, the phantom gradient (5 damped steps)
       out="$STUDY/fixedpoint/$arm-${FP_STEPS:-2000}"
       [ -f "$out/results.json" ] && continue
-      solve=(); [ "$arm" = unroll ] || solve=(model.solver=anderson model.solver_backward=implicit model.solver_max_iter=32)
+      case "$arm" in
+        unroll) solve=() ;;
+        anderson) solve=(model.solver=anderson model.solver_backward=implicit model.solver_max_iter=32) ;;
+        phantom) solve=(model.solver=anderson model.solver_backward=phantom:5:0.5 model.solver_max_iter=32) ;;
+        *) echo "unknown arm: $arm (unroll, anderson, phantom)" >&2; exit 2 ;;
+      esac
       resume=(); [ -d "$out/checkpoint" ] && resume=(--resume "$out")
       if [ ${#resume[@]} -gt 0 ]; then "$LF" train "${resume[@]}" --quiet
       else "$LF" train "${FP[@]}" "${solve[@]}" "out_dir=$out" --quiet; fi
+    done ;;
+  plateau)    # the failing pointer cells never learn the first hop: the same setting (32 symbols, 10 hops) with the
+              # loop count fixed (no curriculum, no draws), 2,000 steps, seed 0, one probe a line; finished ones kept
+    PROBES=("base" "lr4e-3 train.optim.lr=4e-3" "state-norm model.extensions.state_norm={}"
+            "tmlt model.timestep=true" "loops32 model.loops=32 eval.max_loops=32")
+    for probe in "${PROBES[@]}"; do
+      read -r name args <<<"$probe"
+      out="$STUDY/probe-plateau/$name"
+      [ -f "$out/results.json" ] && continue
+      rm -rf "$out"
+      # shellcheck disable=SC2086
+      "$LF" train configs/cpu/pointer.yaml task.options.symbols=32 task.options.hops=10 model.loops=12 \
+        train.loops.start=0 train.loops.hold=0 train.steps=2000 eval.max_loops=12 threads=1 $args "out_dir=$out" --quiet
     done ;;
   collect) python3 studies/transfer/transfer_summary.py "$STUDY" studies/transfer ;;   # results.json, summary.md
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
