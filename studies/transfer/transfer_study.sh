@@ -83,13 +83,21 @@ case "$stage" in
   heldout) mapfile -t specs < <(settings heldout "${2:?task: circuit or pointer}"); run "heldout$tag" "${specs[@]}" ;;
   screen) [ -n "${TAG:-}" ] && [ -n "${EXTRA:-}" ] || { echo "screen needs TAG and EXTRA" >&2; exit 2; }
     mapfile -t specs < <(settings screen "${2:?task: circuit or pointer}"); run "screen$tag" "${specs[@]}" ;;
-  fixedpoint)   # pointer chasing read at the end only (a solver has no per-loop read-outs in training), r = 8, both
-                # with the state normalised; FP_STEPS steps (default 2,000); a finished run is left as it is
-    FP=(configs/cpu/pointer.yaml task.options.symbols=8 task.options.hops=4 model.loops=8 task.loop_targets=false
-        train.losses.loops=last train.loops.start=0 train.loops.hold=0 "train.steps=${FP_STEPS:-2000}"
-        eval.max_loops=32 eval.drift=false "model.extensions.state_norm={}" threads=1)
+  fixedpoint)   # read at the end only (a solver has no per-loop read-outs in training), r = 8, the state normalised
+                # in every arm; FP_TASK pointer (8 symbols, 4 hops) or circuit (width 8, 8 layers, the circuit recipe
+                # without its state noise and selection, which a solver refuses or which need per-loop scores);
+                # FP_STEPS steps (default 2,000); a finished run is left as it is
+    case "${FP_TASK:-pointer}" in
+      pointer) FP=(configs/cpu/pointer.yaml task.options.symbols=8 task.options.hops=4 train.loops.start=0
+                   train.loops.hold=0); pre="" ;;
+      circuit) FP=(configs/cpu/schedule.yaml task.options.width=8 task.options.layers=8 model.state_noise=0
+                   train.select.skip_spikes=0 train.select.keep_best=false task.n_val=0 train.eval_every=0); pre=circuit- ;;
+      *) echo "unknown FP_TASK: $FP_TASK (pointer, circuit)" >&2; exit 2 ;;
+    esac
+    FP+=(model.loops=8 task.loop_targets=false train.losses.loops=last "train.steps=${FP_STEPS:-2000}"
+         eval.max_loops=32 eval.drift=false "model.extensions.state_norm={}" threads=1)
     for arm in ${FP_ARMS:-unroll anderson}; do   # phantom: Anderson's solve, the phantom gradient (5 damped steps)
-      out="$STUDY/fixedpoint/$arm-${FP_STEPS:-2000}"
+      out="$STUDY/fixedpoint/$pre$arm-${FP_STEPS:-2000}"
       [ -f "$out/results.json" ] && continue
       case "$arm" in
         unroll) solve=() ;;
