@@ -312,6 +312,7 @@ class Trainer:
         self.loop_cfg = replace(tc.loops, start=self.data.intermediate_steps() or 0) if tc.loops.start_at_steps \
             else tc.loops
         self.clock = 0                           # the curriculum's clock (train.loops.gate; else the step is)
+        self.opened: int | None = None           # the step of the gate's first opening (train.loops.gate_lr)
         self.val_data = self.data.validation() if tc.select.keep_best else None   # what keep_best selects by
         self.keeper = BestKeeper(self.data.higher_is_better) if tc.select.keep_best else None
         self.last_test: dict | None = None       # keep_best: the last step's test metrics, when other weights win
@@ -418,6 +419,7 @@ class Trainer:
                 raise UserError(f"cannot resume from {self.ckpt_dir}: {exc}") from None
         self.start, self.state = int(state["step"]), state
         self.clock = int(state.get("curriculum_clock", 0))
+        self.opened = state.get("gate_opened")
         if self.start >= self.total and run.results_done(self.run_dir, self.start):
             self.finished = True
             return
@@ -556,7 +558,9 @@ class Trainer:
         micro-batches), then clip and update; the loss and accuracy sums go into the log window."""
         t_step = time.perf_counter()
         self.step_now = step
-        self.lr = lr = lr_at(self.cfg.train.optim, step, self.total) * (self.rollback.lr_scale if self.rollback else 1)
+        opened = self.opened if self.loop_cfg.gate_lr else -1   # the decay waits for the gate (gate_lr)
+        self.lr = lr = lr_at(self.cfg.train.optim, step, self.total, opened) * \
+            (self.rollback.lr_scale if self.rollback else 1)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
         micro, counts = self._micro_batches(step)
@@ -700,6 +704,8 @@ class Trainer:
             L = self.cfg.train.log_every
             self.clock = gate_clock(self.clock, rec["accuracy"], done - (done - 1) // L * L, self.loop_cfg.gate)
             rec["curriculum_clock"] = self.clock
+            if self.opened is None and rec["accuracy"] >= self.loop_cfg.gate:
+                self.opened = done                             # the first opening: the decay starts (gate_lr)
         if not math.isfinite(rec["loss"]):
             raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
                             f"checkpoint is kept (lower train.optim.lr or enable train.optim.grad_clip)")
@@ -859,7 +865,7 @@ class Trainer:
                                             "scaler": self.scaler.state_dict() if self.scaler else None,
                                             "spikes": self.spikes.state_dict() if self.spikes else None,
                                             "rollback": self.rollback.state_dict() if self.rollback else None,
-                                            "curriculum_clock": self.clock,
+                                            "curriculum_clock": self.clock, "gate_opened": self.opened,
                                             "keep_best": self.keeper.state_dict() if self.keeper else None,
                                             "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
                                             "train_time": self.train_time, "total_steps": self.total},
