@@ -13,6 +13,8 @@ round so all share the machine's state alike. Ratios are to the unrolled loop at
 
     python benchmarks/bench_fixedpoint.py                       # d_model 64, length 30, batch 64, 16/32/64 iterations
     python benchmarks/bench_fixedpoint.py --solver broyden --phantom 2 --iters 8,64
+    python benchmarks/bench_fixedpoint.py --phantom 5:0.5 --state-norm   # the formulation that trains (the state
+                                                                          # normalised, studies/transfer)
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def model_for(args, solver: str, backward: str) -> LoopedTransformer:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=args.vocab, max_len=args.len, d_model=args.d_model, n_heads=args.heads,
                       loops=max(args.iters), input_injection=True, solver=solver, solver_backward=backward,
-                      solver_tol=0.0)
+                      solver_tol=0.0, extensions={"state_norm": {}} if args.state_norm else {})
     return LoopedTransformer(cfg).train()
 
 
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=16)
     p.add_argument("--iters", default="16,32,64", help="iteration (loop) counts, comma-separated")
     p.add_argument("--solver", default="anderson", choices=["anderson", "broyden"])
-    p.add_argument("--phantom", type=int, default=4, help="k of the phantom gradient")
+    p.add_argument("--phantom", default="4", help="the phantom gradient's k, or k:λ (damping λ)")
+    p.add_argument("--state-norm", action="store_true", help="the state normalised after every loop (lab extension)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                 mem[(name, r)], back[(name, r)] = b, k
 
     print(f"one training step: d_model {args.d_model}, {args.heads} heads, T = {args.len}, batch {args.batch}, "
-          f"{args.threads} thread(s), median of {args.reps}; memory = distinct saved activations of the graph\n")
+          f"{args.threads} thread(s), median of {args.reps}{', the state normalised' if args.state_norm else ''}; "
+          "memory = distinct saved activations of the graph\n")
     print("| mode | iterations | backward iterations | saved activations (MiB) | × unroll | step (ms) | × unroll |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in args.iters:
