@@ -12,9 +12,7 @@ Layout (bidirectional, T = m + 1): the start symbol sits at the query position, 
 
 so one loop can make one hop: the query position attends to the table position its symbol names and reads its
 entry. Intermediate states (per-loop targets, `task.loop_targets`): step j supervises the query position with
-f^j(s); with `every_start` also every table position i with f^j(i), its own chase — m + 1 lookups a row instead
-of one, where the query's alone gives a lookup that is learned late or never at large m (studies/transfer). The
-answer, and so the test metric, stays the query's.
+f^j(s).
 
 f is a uniformly random cyclic permutation (one cycle through all m symbols) and k < m, so f^k(s) is uniform over
 the m - 1 symbols other than s: no shorter cycle lets a model guess s, and no guess beats 1/(m - 1) without
@@ -49,7 +47,6 @@ class PointerChaseTask(TokenTask):
 
     symbols: int = 16         # m: the table's size (and the alphabet)
     hops: int = 8             # k < m: how often f is applied
-    every_start: bool = False  # per-loop targets at every table position too (its own chase), not the query's alone
 
     name = "pointer_chase"
     causal = False
@@ -77,11 +74,6 @@ class PointerChaseTask(TokenTask):
         targets[:, m] = hops[:, -1] + self.first
         steps = np.full((n, self.hops, self.seq_len), IGNORE, dtype=np.int32)           # [n,K,T]
         steps[:, :, m] = hops + self.first
-        if self.every_start:                                                             # position i: f^j(i)
-            x = np.broadcast_to(np.arange(m), (n, m))
-            for j in range(self.hops):
-                x = np.take_along_axis(table, x, axis=1)                                 # [n,m] f^(j+1)(i)
-                steps[:, j, :m] = x + self.first
         return {"inputs": inputs, "targets": targets, "step_targets": steps}
 
     def generate(self, n: int, seed: int, split: str = "train") -> dict[str, np.ndarray]:
