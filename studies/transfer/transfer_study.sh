@@ -115,7 +115,9 @@ case "$stage" in
   plateau)    # the failing pointer cells never learn the first hop: the same setting (32 symbols, 10 hops) with the
               # loop count fixed (no curriculum, no draws), 2,000 steps, seed 0, one probe a line; finished ones kept
     PROBES=("base" "lr4e-3 train.optim.lr=4e-3" "state-norm model.extensions.state_norm={}"
-            "tmlt model.timestep=true" "loops32 model.loops=32 eval.max_loops=32")
+            "tmlt model.timestep=true" "loops32 model.loops=32 eval.max_loops=32"
+            "tmlt-lr4e-3 model.timestep=true train.optim.lr=4e-3"
+            "tmlt-frozen model.timestep=true train.optim.timestep_lr_mult=0")
     for probe in "${PROBES[@]}"; do
       read -r name args <<<"$probe"
       out="$STUDY/probe-plateau/$name"
