@@ -117,7 +117,7 @@ case "$stage" in
     PROBES=("base" "lr4e-3 train.optim.lr=4e-3" "state-norm model.extensions.state_norm={}"
             "tmlt model.timestep=true" "loops32 model.loops=32 eval.max_loops=32"
             "tmlt-lr4e-3 model.timestep=true train.optim.lr=4e-3"
-            "tmlt-frozen model.timestep=true train.optim.timestep_lr_mult=0")
+            "tmlt-frozen model.timestep=true train.optim.freeze=[timestep,modulation]")
     for probe in "${PROBES[@]}"; do
       read -r name args <<<"$probe"
       out="$STUDY/probe-plateau/$name"
