@@ -2,13 +2,15 @@
 curriculum's clock counts only the log windows whose training accuracy reached the gate, the curriculum starts at
 the task's K intermediate steps, the hold's draws follow the clock; in a run the recorded loop counts and clock
 agree with a recomputation from the recorded accuracies, a resumed run equals the uninterrupted one, and bad
-settings are one line; with gate_lr the decay of the rate starts at the gate's first opening."""
+settings are one line; with gate_lr the decay of the rate starts at the gate's first opening, and with
+gate_modulation a TMLT's modulations train only from then on."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from loopformer.errors import UserError
 from loopformer.train.config import LoopSampling, OptimConfig, load_run_config
@@ -130,12 +132,37 @@ def test_a_gated_run_resumes_exactly(tmp_path, train_killed_at):
     assert len({r[1] for r in key("full")}) > 1           # the count moved: the resumed clock was the saved one
 
 
+@pytest.mark.parametrize("gate, frozen", [(1.0, True), (0.01, False)])
+def test_the_modulations_wait_for_the_gate(tmp_path, monkeypatch, gate, frozen):
+    """gate_modulation (a TMLT): with a gate no window reaches, the timestep embedder and the modulations end
+    exactly as they started while the block trains; with a gate the first window opens, they train too."""
+    from loopformer.model.layers import is_timestep_param
+    from loopformer.train.trainer import Trainer
+
+    snaps: dict[str, dict] = {}
+    for name, hook in (("start", "open_log"), ("end", "select")):
+        original = getattr(Trainer, hook)
+
+        def patched(self, *a, _name=name, _original=original, **k):
+            snaps[_name] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(Trainer, hook, patched)
+    train(pointer(tmp_path, "train.steps=8", "model.timestep=true", "train.loops.start_at_steps=true",
+                  f"train.loops.gate={gate}", "train.loops.gate_modulation=true", "train.optim.timestep_lr_mult=1"))
+    moved = {n for n in snaps["start"] if not torch.equal(snaps["start"][n], snaps["end"][n])}
+    ts = {n for n in snaps["start"] if is_timestep_param(n)}
+    assert ts and moved - ts                                       # a TMLT, and its block trained
+    assert (moved & ts == set()) == frozen                         # the modulations: frozen until the gate opens
+
+
 @pytest.mark.parametrize("override, needle", [
     (["train.loops.gate=0.5"], "train.loops.gate gates a loop curriculum"),
     (["train.loops.start=2", "train.loops.gate=1.5"], "train.loops.gate must be 0 (off) or in (0, 1]"),
     (["train.loops.start_at_steps=true", "task.loop_targets=false", "train.losses.loops=last"],
      "train.loops.start_at_steps starts the curriculum at the task's intermediate steps: it needs task.loop_targets"),
     (["train.loops.start=2", "train.loops.gate_lr=true"], "train.loops.gate_lr times the learning rate's decay"),
+    (["train.loops.start=2", "train.loops.gate_modulation=true"], "train.loops.gate_modulation frees the modulations"),
 ])
 def test_bad_settings_are_one_line(override, needle):
     with pytest.raises(UserError) as err:

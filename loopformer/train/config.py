@@ -109,6 +109,9 @@ class LoopSampling:
                                       # it, then rises; a fall below a stops it, and the hold's ramp); 0: the step
     gate_lr: bool = False             # with gate: the learning rate's decay waits for the gate's first opening (the
                                       # peak rate while nothing is learned, the decay over the steps left after)
+    gate_modulation: bool = False     # with gate (TMLT): the timestep embedder and the modulations stay frozen until
+                                      # the gate first opens: the block learns as the looped block, then the loop
+                                      # index joins
     # elastic depth (docs/elastic-depth.md): train one model for a range of loop budgets
     sample: str = "fixed"             # the loop count R of a step: "fixed" (model.loops, or the curriculum) | drawn
                                       # "uniform" over min..max | "loguniform" (each octave alike);
@@ -148,6 +151,8 @@ class LoopSampling:
               "train.loops.gate gates a loop curriculum: set train.loops.start or train.loops.start_at_steps")
         _need(not self.gate_lr or self.gate > 0,
               "train.loops.gate_lr times the learning rate's decay by the gate: set train.loops.gate")
+        _need(not self.gate_modulation or self.gate > 0,
+              "train.loops.gate_modulation frees the modulations at the gate's opening: set train.loops.gate")
         _need(self.hold_ramp >= 0, f"train.loops.hold_ramp must be >= 0 (got {self.hold_ramp})")
         _need(self.hold_ramp == 0 or self.hold > 0,
               "train.loops.hold_ramp ramps the hold's draws: set train.loops.hold")

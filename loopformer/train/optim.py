@@ -137,8 +137,10 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Adam
     out = [{"params": groups[(False, True)], "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
            {"params": groups[(False, False)], "weight_decay": 0.0, "lr_mult": 1.0}]
     if groups[(True, True)] or groups[(True, False)]:
-        out += [{"params": groups[(True, True)], "weight_decay": ts_wd, "lr_mult": cfg.timestep_lr_mult},
-                {"params": groups[(True, False)], "weight_decay": 0.0, "lr_mult": cfg.timestep_lr_mult}]
+        out += [{"params": groups[(True, True)], "weight_decay": ts_wd, "lr_mult": cfg.timestep_lr_mult,
+                 "timestep": True},
+                {"params": groups[(True, False)], "weight_decay": 0.0, "lr_mult": cfg.timestep_lr_mult,
+                 "timestep": True}]
     params = [p for g in out for p in g["params"]]
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
     return torch.optim.AdamW(out, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)

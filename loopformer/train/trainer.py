@@ -561,8 +561,9 @@ class Trainer:
         opened = self.opened if self.loop_cfg.gate_lr else -1   # the decay waits for the gate (gate_lr)
         self.lr = lr = lr_at(self.cfg.train.optim, step, self.total, opened) * \
             (self.rollback.lr_scale if self.rollback else 1)
+        shut = self.loop_cfg.gate_modulation and self.opened is None   # the modulations wait for the gate
         for g in self.optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_mult", 1.0)
+            g["lr"] = 0.0 if shut and g.get("timestep") else lr * g.get("lr_mult", 1.0)
         micro, counts = self._micro_batches(step)
         global_count = max(all_sum(self.d, [float(sum(counts))])[0], 1.0)
         for i, mb in enumerate(micro):
@@ -705,7 +706,8 @@ class Trainer:
             self.clock = gate_clock(self.clock, rec["accuracy"], done - (done - 1) // L * L, self.loop_cfg.gate)
             rec["curriculum_clock"] = self.clock
             if self.opened is None and rec["accuracy"] >= self.loop_cfg.gate:
-                self.opened = done                             # the first opening: the decay starts (gate_lr)
+                self.opened = done                             # the first opening: the decay starts (gate_lr), the
+                #                                                modulations train (gate_modulation)
         if not math.isfinite(rec["loss"]):
             raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
                             f"checkpoint is kept (lower train.optim.lr or enable train.optim.grad_clip)")
