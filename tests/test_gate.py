@@ -1,20 +1,17 @@
-"""The gated loop curriculum (`train.loops.gate`, `start_at_steps`, `gate_lr`; loopformer.train.optim): the
+"""The gated loop curriculum (`train.loops.gate`, `start_at_steps`, `gate_modulation`; loopformer.train.optim): the
 curriculum's clock counts only the log windows whose training accuracy reached the gate, the curriculum starts at
 the task's K intermediate steps, the hold's draws follow the clock; in a run the recorded loop counts and clock
 agree with a recomputation from the recorded accuracies, a resumed run equals the uninterrupted one, and bad
-settings are one line; with gate_lr the decay of the rate starts at the gate's first opening, and with
-gate_modulation a TMLT's modulations train only from then on."""
+settings are one line; with gate_modulation a TMLT's modulations train only from the gate's first opening."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from loopformer.errors import UserError
-from loopformer.train.config import LoopSampling, OptimConfig, load_run_config
-from loopformer.train.optim import curriculum_end, gate_clock, loops_at, lr_at, sample_loops
+from loopformer.train.config import LoopSampling, load_run_config
+from loopformer.train.optim import curriculum_end, gate_clock, loops_at, sample_loops
 from loopformer.train.run import load_for_resume, read_metrics
 from loopformer.train.trainer import train
 
@@ -55,18 +52,6 @@ def test_the_curriculum_and_the_hold_follow_the_clock():
     assert [int(sample_loops(plain, s, 9, 0)[0]) for s in (0, 10, 29, 30)] == [3, 5, 7, 9]
 
 
-def test_the_decay_waits_for_the_gate():
-    one = OptimConfig(lr=1.0, schedule="onecycle", warmup_fraction=0.1, min_lr=0.0)   # warm-up: 10 of 100 steps
-    assert [lr_at(one, s, 100, None) for s in (0, 9)] == [lr_at(one, s, 100) for s in (0, 9)]   # the warm-up alike
-    assert {lr_at(one, s, 100, None) for s in range(10, 100)} == {1.0}        # never opened: the peak throughout
-    for s in range(40, 100):                                                   # opened at 40: a cosine over 60 steps
-        want = 0.5 * (1 + math.cos(math.pi * (s - 40) / 60))
-        assert lr_at(one, s, 100, 40) == pytest.approx(want)
-    assert [lr_at(one, s, 100, 3) for s in range(100)] == [lr_at(one, s, 100) for s in range(100)]   # before warm
-    lin = OptimConfig(lr=2.0, schedule="linear", warmup_steps=0, min_lr=0.0)
-    assert lr_at(lin, 75, 100, 50) == pytest.approx(1.0) and lr_at(lin, 30, 100, None) == 2.0
-
-
 def _train_records(run):
     return [r for r in read_metrics(run) if r["split"] == "train"]
 
@@ -102,24 +87,9 @@ def test_recorded_counts_follow_the_recorded_accuracies(tmp_path):
     assert moved and held                                 # the gate both opened and shut in this run
 
 
-def test_recorded_rates_wait_for_the_first_opening(tmp_path):
-    """gate_lr: every step's rate is lr_at with the first opening the records show before it (None until then)."""
-    train(pointer(tmp_path, "train.steps=40", "train.loops.start_at_steps=true", "train.loops.every=2",
-                  "train.loops.gate=0.35", "train.loops.gate_lr=true", "train.optim.lr=1e-2",
-                  "train.optim.schedule=onecycle", "train.optim.warmup_fraction=0.1"))
-    recs = _train_records(tmp_path / "run")
-    optim = OptimConfig(lr=1e-2, schedule="onecycle", warmup_fraction=0.1)
-    opened = None
-    for r in recs:
-        assert r["lr"] == pytest.approx(lr_at(optim, r["step"] - 1, 40, opened))
-        if opened is None and r["accuracy"] >= 0.35:
-            opened = r["step"]
-    assert 4 < opened < 40 and recs[-1]["lr"] < 1e-3 < recs[1]["lr"]     # opened mid-run, then decayed
-
-
 def test_a_gated_run_resumes_exactly(tmp_path, train_killed_at):
     over = ("train.steps=24", "train.loops.start_at_steps=true", "train.loops.every=2", "train.loops.gate=0.25",
-            "train.loops.gate_lr=true", "train.optim.lr=1e-2", "train.eval_every=6")
+            "train.loops.gate_modulation=true", "model.timestep=true", "train.optim.lr=1e-2", "train.eval_every=6")
     train(pointer(tmp_path, *over, name="full"))
     train_killed_at(pointer(tmp_path, *over, name="cut"), 10)
     train(load_for_resume(tmp_path / "cut"), resume=True)
@@ -161,7 +131,6 @@ def test_the_modulations_wait_for_the_gate(tmp_path, monkeypatch, gate, frozen):
     (["train.loops.start=2", "train.loops.gate=1.5"], "train.loops.gate must be 0 (off) or in (0, 1]"),
     (["train.loops.start_at_steps=true", "task.loop_targets=false", "train.losses.loops=last"],
      "train.loops.start_at_steps starts the curriculum at the task's intermediate steps: it needs task.loop_targets"),
-    (["train.loops.start=2", "train.loops.gate_lr=true"], "train.loops.gate_lr times the learning rate's decay"),
     (["train.loops.start=2", "train.loops.gate_modulation=true"], "train.loops.gate_modulation frees the modulations"),
 ])
 def test_bad_settings_are_one_line(override, needle):

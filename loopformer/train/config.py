@@ -107,8 +107,6 @@ class LoopSampling:
     gate: float = 0.0                 # a in (0, 1]: the curriculum's clock runs only through log windows whose
                                       # training accuracy is >= a (the count stays until the task is learned at
                                       # it, then rises; a fall below a stops it, and the hold's ramp); 0: the step
-    gate_lr: bool = False             # with gate: the learning rate's decay waits for the gate's first opening (the
-                                      # peak rate while nothing is learned, the decay over the steps left after)
     gate_modulation: bool = False     # with gate (TMLT): the timestep embedder and the modulations stay frozen until
                                       # the gate first opens: the block learns as the looped block, then the loop
                                       # index joins
@@ -149,8 +147,6 @@ class LoopSampling:
               f"train.loops.gate must be 0 (off) or in (0, 1] (got {self.gate})")
         _need(self.gate == 0 or self.start > 0 or self.start_at_steps,
               "train.loops.gate gates a loop curriculum: set train.loops.start or train.loops.start_at_steps")
-        _need(not self.gate_lr or self.gate > 0,
-              "train.loops.gate_lr times the learning rate's decay by the gate: set train.loops.gate")
         _need(not self.gate_modulation or self.gate > 0,
               "train.loops.gate_modulation frees the modulations at the gate's opening: set train.loops.gate")
         _need(self.hold_ramp >= 0, f"train.loops.hold_ramp must be >= 0 (got {self.hold_ramp})")

@@ -31,18 +31,15 @@ def warmup_steps(cfg: OptimConfig, total: int) -> int:
     return min(cfg.warmup_steps, max(total - 1, 0))
 
 
-def lr_at(cfg: OptimConfig, step: int, total: int, opened: int | None = -1) -> float:
-    """The learning rate for optimiser step `step` (0-based) of `total`. `opened` (`train.loops.gate_lr`): the step
-    at which the loop curriculum's gate first opened (None: not yet) — the decay waits for it: the warm-up as
-    scheduled, the peak rate until then, and the schedule's decay over the steps left after it; -1: no gate."""
+def lr_at(cfg: OptimConfig, step: int, total: int) -> float:
+    """The learning rate for optimiser step `step` (0-based) of `total`."""
     warm = warmup_steps(cfg, total)
     if warm > 0 and step < warm:
         return cfg.lr * (step + 1) / warm
     if cfg.schedule == "constant":
         return cfg.lr
-    start = warm if opened == -1 else max(warm, step if opened is None else opened)   # where the decay begins
-    span = max(total - start, 1)
-    p = min(max((step - start) / span, 0.0), 1.0)
+    span = max(total - warm, 1)
+    p = min(max((step - warm) / span, 0.0), 1.0)
     if cfg.schedule == "linear":
         return cfg.lr + (cfg.min_lr - cfg.lr) * p
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))   # cosine / onecycle

@@ -312,7 +312,7 @@ class Trainer:
         self.loop_cfg = replace(tc.loops, start=self.data.intermediate_steps() or 0) if tc.loops.start_at_steps \
             else tc.loops
         self.clock = 0                           # the curriculum's clock (train.loops.gate; else the step is)
-        self.opened: int | None = None           # the step of the gate's first opening (train.loops.gate_lr)
+        self.opened: int | None = None           # the step of the gate's first opening (gate_modulation)
         self.val_data = self.data.validation() if tc.select.keep_best else None   # what keep_best selects by
         self.keeper = BestKeeper(self.data.higher_is_better) if tc.select.keep_best else None
         self.last_test: dict | None = None       # keep_best: the last step's test metrics, when other weights win
@@ -558,9 +558,7 @@ class Trainer:
         micro-batches), then clip and update; the loss and accuracy sums go into the log window."""
         t_step = time.perf_counter()
         self.step_now = step
-        opened = self.opened if self.loop_cfg.gate_lr else -1   # the decay waits for the gate (gate_lr)
-        self.lr = lr = lr_at(self.cfg.train.optim, step, self.total, opened) * \
-            (self.rollback.lr_scale if self.rollback else 1)
+        self.lr = lr = lr_at(self.cfg.train.optim, step, self.total) * (self.rollback.lr_scale if self.rollback else 1)
         shut = self.loop_cfg.gate_modulation and self.opened is None   # the modulations wait for the gate
         for g in self.optimizer.param_groups:
             g["lr"] = 0.0 if shut and g.get("timestep") else lr * g.get("lr_mult", 1.0)
@@ -706,8 +704,8 @@ class Trainer:
             self.clock = gate_clock(self.clock, rec["accuracy"], done - (done - 1) // L * L, self.loop_cfg.gate)
             rec["curriculum_clock"] = self.clock
             if self.opened is None and rec["accuracy"] >= self.loop_cfg.gate:
-                self.opened = done                             # the first opening: the decay starts (gate_lr), the
-                #                                                modulations train (gate_modulation)
+                self.opened = done                             # the first opening: the modulations train
+                #                                                (gate_modulation)
         if not math.isfinite(rec["loss"]):
             raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
                             f"checkpoint is kept (lower train.optim.lr or enable train.optim.grad_clip)")
