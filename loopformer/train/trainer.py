@@ -311,8 +311,8 @@ class Trainer:
         # the loop counts' schedule: train.loops, its curriculum started at the task's K steps (start_at_steps)
         self.loop_cfg = replace(tc.loops, start=self.data.intermediate_steps() or 0) if tc.loops.start_at_steps \
             else tc.loops
-        self.clock = 0                           # the curriculum's clock (train.loops.gate; else the step is)
-        self.opened: int | None = None           # the step of the gate's first opening (gate_modulation)
+        self.clock = 0                           # the curriculum's clock (train.loops.gate; else the step is);
+        #                                          0 until the gate first opens
         self.val_data = self.data.validation() if tc.select.keep_best else None   # what keep_best selects by
         self.keeper = BestKeeper(self.data.higher_is_better) if tc.select.keep_best else None
         self.last_test: dict | None = None       # keep_best: the last step's test metrics, when other weights win
@@ -419,7 +419,6 @@ class Trainer:
                 raise UserError(f"cannot resume from {self.ckpt_dir}: {exc}") from None
         self.start, self.state = int(state["step"]), state
         self.clock = int(state.get("curriculum_clock", 0))
-        self.opened = state.get("gate_opened")
         if self.start >= self.total and run.results_done(self.run_dir, self.start):
             self.finished = True
             return
@@ -559,7 +558,7 @@ class Trainer:
         t_step = time.perf_counter()
         self.step_now = step
         self.lr = lr = lr_at(self.cfg.train.optim, step, self.total) * (self.rollback.lr_scale if self.rollback else 1)
-        shut = self.loop_cfg.gate_modulation and self.opened is None   # the modulations wait for the gate
+        shut = self.loop_cfg.gate_modulation and self.clock == 0   # the modulations wait for the gate's opening
         for g in self.optimizer.param_groups:
             g["lr"] = 0.0 if shut and g.get("timestep") else lr * g.get("lr_mult", 1.0)
         micro, counts = self._micro_batches(step)
@@ -703,9 +702,6 @@ class Trainer:
             L = self.cfg.train.log_every
             self.clock = gate_clock(self.clock, rec["accuracy"], done - (done - 1) // L * L, self.loop_cfg.gate)
             rec["curriculum_clock"] = self.clock
-            if self.opened is None and rec["accuracy"] >= self.loop_cfg.gate:
-                self.opened = done                             # the first opening: the modulations train
-                #                                                (gate_modulation)
         if not math.isfinite(rec["loss"]):
             raise UserError(f"training diverged: the loss became {rec['loss']} at step {done}; the last good "
                             f"checkpoint is kept (lower train.optim.lr or enable train.optim.grad_clip)")
@@ -865,7 +861,7 @@ class Trainer:
                                             "scaler": self.scaler.state_dict() if self.scaler else None,
                                             "spikes": self.spikes.state_dict() if self.spikes else None,
                                             "rollback": self.rollback.state_dict() if self.rollback else None,
-                                            "curriculum_clock": self.clock, "gate_opened": self.opened,
+                                            "curriculum_clock": self.clock,
                                             "keep_best": self.keeper.state_dict() if self.keeper else None,
                                             "rng": [m["rng"] for m in mine], "window": [m["window"] for m in mine],
                                             "train_time": self.train_time, "total_steps": self.total},
