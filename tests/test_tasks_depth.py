@@ -303,8 +303,8 @@ def test_prefix_targets_keep_each_loop_on_its_step_in_a_curriculum():
     assert loop_targets(steps, 4, 4)[:, 0, 0].tolist() == [1, 3, 5, 7]            # spread: steps 2, 4, 6, 8
     assert loop_targets(steps, 8, 8)[:, 0, 0].tolist() == list(range(8))           # R = K: one step per loop
     # a loop rule's batch of short rows (R = 4 < K = 8): loop t is step t, never spread
-    assert loop_targets(steps, 4, 4, prefix=True)[:, 0, 0].tolist() == [0, 1, 2, 3]
-    assert loop_targets(steps, 10, 3, prefix=True)[:, 0, 0].tolist() == [7, 7, 7]   # past K: the final state
+    assert loop_targets(steps, 4, 4, per_row=True)[:, 0, 0].tolist() == [0, 1, 2, 3]
+    assert loop_targets(steps, 10, 3, per_row=True)[:, 0, 0].tolist() == [7, 7, 7]   # past K: the final state
 
 
 TINY = ["task.n_train=256", "task.n_test=64", "model.d_model=16", "model.n_heads=2", "model.loops=3",

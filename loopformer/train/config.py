@@ -104,10 +104,6 @@ class LoopSampling:
     increment: int = 1
     start_at_steps: bool = False      # the curriculum starts at the task's K intermediate steps (task.loop_targets):
                                       # one step per loop and nothing to hold, whatever K; `start` is then unused
-    prefix: bool = False              # a count R below the task's K steps (task.loop_targets) trains loop t on step t,
-                                      # the first R steps (its training accuracy read against step R), instead of
-                                      # the K steps spread over R loops: with start=1 the curriculum learns one
-                                      # step, then loops it, a loop more as each is learned (gate)
     gate: float = 0.0                 # a in (0, 1]: the curriculum's clock runs only through log windows whose
                                       # training accuracy is >= a (the count stays until the task is learned at
                                       # it, then rises; a fall below a stops it, and the hold's ramp); 0: the step
@@ -521,9 +517,6 @@ class RunConfig:
         if m.supervision_steps > 1 and gate_loss:
             _need(loss.exit_loss == "target", "with model.supervision_steps > 1 the exit gate learns across steps: "
                                               "train.losses.exit_loss must be 'target'")
-        _need(not loops.prefix or (self.task.loop_targets and not loops.start_at_steps),
-              "train.loops.prefix trains loop counts below the task's intermediate steps on their first steps: it "
-              "needs task.loop_targets and a curriculum below them (train.loops.start, not start_at_steps)")
         _need(not loops.start_at_steps or self.task.loop_targets,
               "train.loops.start_at_steps starts the curriculum at the task's intermediate steps: it needs "
               "task.loop_targets")

@@ -96,16 +96,15 @@ def loss_loops(cfg: LossConfig, loops: int) -> int | None:
     return min(cfg.window, loops)
 
 
-def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int, prefix: bool = False) -> torch.Tensor:
+def loop_targets(step_targets: torch.Tensor, loops: int, n_read: int, per_row: bool = False) -> torch.Tensor:
     """The targets of the last `n_read` of `loops` read-outs from a task's intermediate states: [n_read,B,T] from
     step_targets [B,K,T], loop t scored against step j(t) (`loop_steps`) of a run of `loops` loops (a curriculum's
-    shorter steps spread the K steps over their loops). `prefix`: loop t is step min(t, K) whatever the loop
-    count — the steps are never spread over fewer loops: a prefix curriculum (`train.loops.prefix`: R < K loops
-    learn the first R steps), and a loop rule (each row runs its own T(n) loops, at least its own steps; a batch of
-    short rows, a length curriculum, runs fewer loops than the K steps of the longest row, and each row's
-    step_targets hold its final state after its own steps)."""
+    shorter steps spread the K steps over their loops). `per_row` (a loop rule: each row runs its own T(n) loops,
+    at least its own steps): loop t is step min(t, K) whatever the batch's largest loop count — the steps are never
+    spread over fewer loops, since a batch of short rows (a length curriculum) runs fewer loops than the K steps of
+    the longest row, and each row's step_targets hold its final state after its own steps."""
     K = step_targets.shape[1]
-    full = loop_steps(max(loops, K if prefix else 0), K)[:loops]
+    full = loop_steps(max(loops, K if per_row else 0), K)[:loops]
     j = torch.as_tensor(full[loops - n_read:] - 1, device=step_targets.device)
     return step_targets.index_select(1, j).transpose(0, 1)
 

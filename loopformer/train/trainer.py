@@ -608,8 +608,7 @@ class Trainer:
         per_loop_gate = self.trains_gate and N == 1                      # the exit gate reads every loop
         rows = batch.get("row_loops")                                   # [b] | None
         targets = batch["targets"] if "step_targets" not in batch else \
-            loop_targets(batch["step_targets"], R, n_read, prefix=self.loop_cfg.prefix or not self.rule.fixed)
-        #                                                                [n_read,b,T]
+            loop_targets(batch["step_targets"], R, n_read, per_row=not self.rule.fixed)   # [n_read,b,T]
         return MicroBatch(inputs=batch["inputs"], targets=targets, weight=batch.get("weight"),
                           at=batch.get("read_at"), rows=rows, loops=R if rows is None else int(rows.max()),
                           return_all=n_read is not None or per_loop_gate,
@@ -641,9 +640,7 @@ class Trainer:
             state = out.hidden.detach()
         with torch.no_grad():
             if self.data.classifies:
-                # the last loop's own target: a prefix curriculum's loop R < K answers step R, not the task
-                final = mb.targets[-1] if self.loop_cfg.prefix else batch["targets"]                # [b,T]
-                logits, targets, _ = at_read(mb.at, out.logits, final)
+                logits, targets, _ = at_read(mb.at, out.logits, batch["targets"])
                 self.acc_correct += ((logits.argmax(-1) == targets) & supervised(targets)).sum().to(self.acc_dtype)
             self.acc_count += count
             self.acc_tokens += mb.inputs.shape[0] * mb.inputs.shape[1]
