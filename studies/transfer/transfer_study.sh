@@ -86,7 +86,7 @@ case "$stage" in
   fixedpoint)   # read at the end only (a solver has no per-loop read-outs in training), r = 8, the state normalised
                 # in every arm; FP_TASK pointer (8 symbols, 4 hops), circuit (width 8, 8 layers, the circuit recipe
                 # without its state noise and selection, which a solver refuses or which need per-loop scores) or
-                # sudoku (the Sudoku recipe as one step of r = 8 loops);
+                # sudoku (the Sudoku recipe as one step of r = 8 loops) or lcs (the demo's task);
                 # FP_STEPS steps (default 2,000); a finished run is left as it is
     case "${FP_TASK:-pointer}" in
       pointer) FP=(configs/cpu/pointer.yaml task.options.symbols=8 task.options.hops=4 train.loops.start=0
@@ -95,7 +95,9 @@ case "$stage" in
                    train.select.skip_spikes=0 train.select.keep_best=false task.n_val=0 train.eval_every=0); pre=circuit- ;;
       sudoku) FP=(configs/cpu/sudoku-recipe.yaml model.supervision_steps=1 model.exit_gate=false eval.votes=0
                   train.eval_every=0); pre=sudoku- ;;   # 25 blanks; one step of r loops, no halting head, no votes
-      *) echo "unknown FP_TASK: $FP_TASK (pointer, circuit, sudoku)" >&2; exit 2 ;;
+      lcs) FP=(configs/cpu/demo.yaml); pre=lcs- ;;   # the demo's LCS of two 6-letter strings: the DP table is
+                                                     # the fixed point of its anti-diagonal update
+      *) echo "unknown FP_TASK: $FP_TASK (pointer, circuit, sudoku, lcs)" >&2; exit 2 ;;
     esac
     FP+=(model.loops=8 task.loop_targets=false train.losses.loops=last "train.steps=${FP_STEPS:-2000}"
          eval.max_loops=32 eval.drift=false "model.extensions.state_norm={}" threads=1)
