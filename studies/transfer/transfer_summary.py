@@ -42,12 +42,6 @@ def lost_steps(metrics: Path) -> int:
     return worst
 
 
-def rollbacks(metrics: Path) -> int:
-    """How many times the collapse guard (train.select.rollback) put the last good weights back."""
-    with metrics.open() as f:
-        return sum('"split": "rollback"' in line for line in f)
-
-
 def record(stage: str, setting: str, run: Path) -> dict:
     res = json.loads((run / "results.json").read_text())
     at = (res.get("drift") or {}).get("at", {})
@@ -56,7 +50,7 @@ def record(stage: str, setting: str, run: Path) -> dict:
             "r": res["test"]["accuracy"], "2r": at.get("2r"), "4r": at.get("4r"),
             "verdict": (res.get("drift") or {}).get("verdict"),
             "lost_steps": lost_steps(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else None,
-            "rollbacks": rollbacks(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else None,
+            "rollbacks": res.get("rollbacks"),          # the collapse guard's count (None: no guard)
             "train_time_s": round(res.get("train_time_s", 0))}
 
 
