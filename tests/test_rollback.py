@@ -44,6 +44,20 @@ def test_patience_counts_windows_in_a_row():
     assert g.update(0.1, 5, _capture(5)) and g.count == 1
 
 
+def test_a_window_at_another_loop_count_drops_the_snapshot_instead_of_rolling_back():
+    """The curriculum raised the count: the fall is the new depth, not a collapse of what the snapshot learned."""
+    g = RollbackGuard(below=0.5, learned=0.95, max_rollbacks=3)
+    assert not g.update(0.96, 10, _capture(10), loops=8) and g.snapshot["loops"] == 8
+    assert not g.update(0.4, 20, _capture(20), loops=12) and g.snapshot is None and g.count == 0
+    assert not g.update(0.3, 30, _capture(30), loops=12) and g.count == 0      # nothing learned at 12 yet
+    assert not g.update(0.97, 40, _capture(40), loops=12) and g.snapshot["loops"] == 12
+    assert g.update(0.1, 50, _capture(50), loops=12) and g.snapshot["step"] == 40 and g.count == 1
+    assert g.snapshot["model"]["w"].item() == 40 and g.lr_scale == 0.5
+    old = RollbackGuard(below=0.5)                 # a checkpoint's snapshot from before the count was kept
+    old.snapshot = {"step": 5, "model": {"w": torch.zeros(1)}}
+    assert old.update(0.1, 6, _capture(6), loops=16) and old.count == 1
+
+
 def test_the_snapshot_is_a_copy():
     w = torch.ones(3)
     g = RollbackGuard(below=0.5)
@@ -104,6 +118,19 @@ def test_a_wiped_run_gets_the_last_good_weights_back_with_half_the_rate(tmp_path
     assert train_recs[8]["lr"] == pytest.approx(0.5 * lr_at(cfg.train.optim, 7, 12))
     assert train_recs[5]["lr"] == pytest.approx(lr_at(cfg.train.optim, 4, 12))
     assert res["rollbacks"] == 1
+
+
+def test_a_fall_where_the_loop_curriculum_raises_the_count_is_not_rolled_back(tmp_path, wipe_at):
+    """Loop curriculum 1 -> 2 loops at step 6: the window that ends at step 6 is the first at 2 loops, so the wipe
+    after step 5 falls in a window at another count than the snapshot's; the guard waits for a good window at 2."""
+    wipe_at(5)
+    res = train(tiny(tmp_path, *ROLL, "train.loops.start=1", "train.loops.every=5"))
+    recs = read_metrics(tmp_path / "run")
+    train_recs = {r["step"]: r for r in recs if r["split"] == "train"}
+    assert train_recs[5]["loops"] == 1 and train_recs[6]["loops"] == 2 and train_recs[6]["accuracy"] == 0.0
+    assert [r for r in recs if r["split"] == "rollback"] == [] and res["rollbacks"] == 0
+    from loopformer.train.optim import lr_at
+    assert train_recs[8]["lr"] == pytest.approx(lr_at(tiny(tmp_path, *ROLL).train.optim, 7, 12))   # rate not halved
 
 
 def test_a_resumed_run_rolls_back_like_the_uninterrupted_one(tmp_path, wipe_at, train_killed_at):

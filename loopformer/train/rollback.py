@@ -12,6 +12,12 @@ record's accuracy over `train.log_every` steps):
                    -> every tensor of the snapshot is put back, the learning rate's factor c <- c · lr_factor
                       (the schedule's rate times c from then on), and the event is logged ("rollback" record)
 
+A snapshot belongs to the loop count it was learned at: the loop curriculum's count of the window (`loops`, the
+model's loops once the curriculum is over, drawn budgets or not). A window trained at another count than the
+snapshot's is never a collapse of it: the curriculum has just raised the count, so the fall is the new depth not yet
+learned, which the snapshot's weights cannot undo (they were trained at fewer loops, and rolled back the run would meet
+the same count again). Such a window drops the snapshot; the next good window at the new count takes a new one.
+
 The data stream is not rewound: the steps after a rollback draw new batches, so the run does not replay the
 batches that preceded the collapse. At most `max_rollbacks` rollbacks (after that, a collapse stays); with
 patience 1 and `train.log_every` = 50 a collapse is undone at most 50 steps after its window began, and the curve
@@ -59,15 +65,19 @@ class RollbackGuard:
         self.lr_scale = 1.0        # c: the schedule's rate is multiplied by this
         self.count = 0             # rollbacks so far
         self.low = 0               # windows in a row below `below` since the last good one
-        self.snapshot: dict | None = None   # {"step", "model", "optimizer", "ema", "spikes"}: the last good state
+        self.snapshot: dict | None = None   # {"step", "loops", "model", "optimizer", "ema", "spikes"}: the last good
+                                            # state and the training loop count it was learned at
 
-    def update(self, accuracy: float, step: int, capture) -> bool:
-        """Take window accuracy `accuracy` ending at `step`; `capture()` returns the trainer's state to keep.
-        True when the run must roll back now (to `self.snapshot`)."""
+    def update(self, accuracy: float, step: int, capture, loops: int | None = None) -> bool:
+        """Take window accuracy `accuracy` ending at `step`, trained at the curriculum's loop count `loops` (None:
+        no curriculum); `capture()` returns the trainer's state to keep. True when the run must roll back now (to
+        `self.snapshot`)."""
         if not math.isfinite(accuracy):
             accuracy = 0.0
+        if self.snapshot is not None and self.snapshot.get("loops", loops) != loops:
+            self.snapshot, self.low = None, 0       # learned at another count: not this window's task
         if accuracy >= self.learned:
-            self.snapshot = {"step": int(step), **_cpu(capture())}
+            self.snapshot = {"step": int(step), "loops": loops, **_cpu(capture())}
             self.low = 0
             return False
         if self.snapshot is None or accuracy >= self.below:
@@ -90,6 +100,7 @@ class RollbackGuard:
             and all(isinstance(state.get(k), int) and state[k] >= 0 for k in ("count", "low"))
         snap = state.get("snapshot") if isinstance(state, dict) else None
         ok = ok and (snap is None or (isinstance(snap, dict) and isinstance(snap.get("step"), int)
+                                      and (snap.get("loops") is None or isinstance(snap["loops"], int))
                                       and isinstance(snap.get("model"), dict)
                                       and all(isinstance(v, torch.Tensor) for v in snap["model"].values())))
         if not ok:

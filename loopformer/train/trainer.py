@@ -70,7 +70,16 @@ from loopformer.train.losses import (
     supervised,
     supervised_count,
 )
-from loopformer.train.optim import curriculum_end, freeze, gate_clock, lr_at, make_optimizer, sample_loops, steps_for
+from loopformer.train.optim import (
+    curriculum_end,
+    freeze,
+    gate_clock,
+    loops_at,
+    lr_at,
+    make_optimizer,
+    sample_loops,
+    steps_for,
+)
 from loopformer.train.rollback import RollbackGuard
 from loopformer.train.run import MetricsLog
 from loopformer.train.selection import BestKeeper, held_score
@@ -696,7 +705,8 @@ class Trainer:
         if self.spikes is not None:
             rec["skipped_steps"] = self.spikes.skipped         # the run's total so far
         if self.rollback is not None and "accuracy" in rec and \
-                self.rollback.update(rec["accuracy"], done, self._good_state):
+                self.rollback.update(rec["accuracy"], done, self._good_state, loops_at(
+                    self.loop_cfg, self.clock if self.loop_cfg.gate else done - 1, self.cfg.model.loops)):
             self.log.write(self._roll_back(done))              # the last good window's state is back
         if self.loop_cfg.gate and "accuracy" in rec:           # the window's steps count if it reached the gate
             L = self.cfg.train.log_every
