@@ -177,6 +177,31 @@ def test_an_old_checkpoint_loads_and_a_removed_switch_is_one_line(tmp_path):
         load(tmp_path / "ckpt")
 
 
+def test_the_fixed_point_fields_load_at_their_defaults_and_are_refused_set(tmp_path):
+    """The fixed-point mode left the core: a checkpoint written with its fields at their defaults loads and
+    computes as before; one that sets them, and an override that does, is one line naming the tag."""
+    from loopformer.train.config import load_run_config
+    torch.manual_seed(0)
+    m = LoopedTransformer(_cfg()).eval()
+    save_checkpoint(tmp_path / "ckpt", m)
+    path = tmp_path / "ckpt" / "config.json"
+    data = json.loads(path.read_text())
+    assert "solver" not in data
+    fields = {"solver": "unroll", "solver_tol": 0.001, "solver_max_iter": 0, "solver_backward": "bptt"}
+    path.write_text(json.dumps({**data, **fields}))
+    x = torch.randint(0, 11, (2, 6))
+    torch.testing.assert_close(load(tmp_path / "ckpt")(x).logits, m(x).logits)
+    for key, value in [("solver", "anderson"), ("solver_backward", "phantom:5:0.5"), ("solver_max_iter", 32)]:
+        path.write_text(json.dumps({**data, **fields, key: value}))
+        with pytest.raises(UserError, match=f"{key} has left loopformer.*before-fixed-point-exit"):
+            load(tmp_path / "ckpt")
+    tiny = ["task.name=lcs", "model.d_model=16", "model.n_heads=2", f"out_dir={tmp_path / 'run'}"]
+    assert load_run_config(None, [*tiny, "model.solver=unroll", "model.solver_tol=1e-3"]) == \
+        load_run_config(None, tiny)
+    with pytest.raises(UserError, match="model.solver has left loopformer.*before-fixed-point-exit"):
+        load_run_config(None, [*tiny, "model.solver=anderson"])
+
+
 def test_state_norm_against_hand_computation_and_bounds_the_state():
     torch.manual_seed(0)
     m = LoopedTransformer(_cfg(extensions={"state_norm": {"gain": 0.5}}, loops=6)).eval()

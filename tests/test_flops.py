@@ -38,10 +38,6 @@ def test_hand_count_of_a_tiny_config():
     (ModelConfig(vocab_size=10, max_len=8, n_layers=4, loops=1), 4),                       # standard: L · 1
     (ModelConfig(vocab_size=10, max_len=8, n_layers=1, loops=8), 8),                       # looped: k · r
     (ModelConfig(vocab_size=10, max_len=8, n_layers=2, loops=4, supervision_steps=3), 24),  # k · r · N
-    (ModelConfig(vocab_size=10, max_len=8, loops=6, input_injection=True, solver="anderson",
-                 solver_backward="phantom:2"), 6 + 2),                                     # the solve's bound + k
-    (ModelConfig(vocab_size=10, max_len=8, loops=6, input_injection=True, solver="anderson",
-                 solver_max_iter=20, solver_backward="implicit"), 20),
 ])
 def test_layer_applications(cfg, expect):
     assert layer_applications(cfg) == expect

@@ -12,7 +12,6 @@ from test_train import TINY
 
 from loopformer.cli import main
 from loopformer.model.config import ModelConfig
-from loopformer.model.fixedpoint import loop_map
 from loopformer.model.io import load_weights, save_checkpoint
 from loopformer.model.layers import param_group
 from loopformer.model.looped import LoopedTransformer
@@ -61,7 +60,7 @@ def test_started_from_hold_weights_it_runs_as_the_hold_index(tmp_path):
 
 def test_gates_and_injection_at_zero_make_the_loops_past_r_the_identity():
     """Hand computation: with γ1 = γ2 = 0 the layer returns its input, and with β = 0 the input is h itself, so
-    h_{t+1} = h_t for every t >= r (and the fixed-point mode's map past r is the identity too)."""
+    h_{t+1} = h_t for every t >= r (and one step of the block at a loop index past r is the identity too)."""
     model = _random_tmlt(CFG.replace(timestep_past="own"))
     with torch.no_grad():
         model.blocks[0].past_modulation[:2].zero_()
@@ -71,8 +70,8 @@ def test_gates_and_injection_at_zero_make_the_loops_past_r_the_identity():
     assert not torch.allclose(hs[2], hs[1])                         # loops up to r move the state
     assert all(torch.equal(h, hs[2]) for h in hs[3:])               # every loop past r holds it
     run = model.begin(x, None, None, None, None)
-    F = loop_map(model, run.e, run.mask)
-    assert torch.equal(F(hs[2]), hs[2])
+    mods = model.modulations(1, x.device, offset=CFG.loops)                      # loop index r: [1,k,4,D]
+    assert torch.equal(model.step(hs[2], run.e, CFG.loops, mods[0], run.mask, slot=0), hs[2])
 
 
 def test_injection_by_loop_and_by_row():

@@ -181,10 +181,8 @@ def fixed_depth(raw: torch.nn.Module, data: DataSource, *, loops: int | None, ma
     if loopwise and R > 1:
         curve = [{"loop": t + 1, **m} for t, m in enumerate(per_loop)]
         at_r = per_loop[r - 1]
-        # a budget-aware model times its loops by the run's length: loop r of R loops is not a run of r loops; a
-        # solver with its own iteration cap answers a call of r loops with that many iterations, not r
-        own_cap = cfg.solver != "unroll" and cfg.solver_max_iter not in (0, r)
-        if (cfg.timestep_time == "normalized" and R > r) or own_cap:
+        # a budget-aware model times its loops by the run's length: loop r of R loops is not a run of r loops
+        if cfg.timestep_time == "normalized" and R > r:
             raw.eval()
             try:
                 at_r = loop_metrics(raw, data, r, False, batch_size, limit, device, autocast, progress)[-1]

@@ -42,7 +42,7 @@ def unsupported(config) -> str | None:
     problem = config.causal_lm_problem()
     if problem:
         return problem
-    for name, plain in (("extensions", {}), ("pos_factors", None), ("solver", "unroll"), ("halt", None)):
+    for name, plain in (("extensions", {}), ("pos_factors", None), ("halt", None)):
         if (getattr(config, name, None) or plain) != plain:
             return f"{name}={getattr(config, name)!r} (loopformer's own class runs it: `import loopformer.hf`)"
     return None

@@ -16,7 +16,6 @@ from typing import Any
 
 from loopformer.errors import UserError
 from loopformer.model.extensions import check as check_extensions
-from loopformer.model.fixedpoint import check as check_fixed_point
 from loopformer.model.lengths import check as check_loop_rule
 from loopformer.model.stability import check as check_stabilisers
 
@@ -97,13 +96,6 @@ class ModelConfig:
     extensions: dict[str, Any] = field(default_factory=dict)  # experiments on the loop by name, with their options
                                       # (loopformer.model.extensions), e.g. {noise_start: {sigma: 1.0}}; the lab's:
                                       # noise_start, sandwich_norm
-    # the fixed-point mode (loopformer.model.fixedpoint; docs/stability.md): solve h* = TF(h* + e, r − 1)
-    solver: str = "unroll"            # "unroll" (the loop as written) | "anderson" | "broyden" (needs input_injection)
-    solver_tol: float = 1e-3          # stop when every row's ‖F(h) − h‖ / ‖F(h)‖ is at most this (0: max iterations)
-    solver_max_iter: int = 0          # the most applications of the block per solve (0: the call's loops)
-    solver_backward: str = "bptt"     # "bptt" (unroll only) | "implicit" (implicit differentiation, adjoint solved
-                                      # by the solver) | "phantom:k" or "phantom:k:λ" (k damped steps from the
-                                      # detached solution)
     # deep supervision (loopformer.model.recursion): `supervision_steps` steps of `loops` loops each, every step
     # starting from the previous one's (detached) hidden state with its own loss; inference runs them as one pass
     # of supervision_steps × loops loops
@@ -159,7 +151,6 @@ class ModelConfig:
                  f"positions (got {len(f)} entries)")
         check_stabilisers(self)
         check_extensions(self)
-        check_fixed_point(self)
         check_loop_rule(self)
         need(self.activation in _ACTIVATIONS, f"activation must be one of {_ACTIVATIONS} (got {self.activation!r})")
         need(self.norm in ("rms", "none"), f"norm must be 'rms' or 'none' (got {self.norm!r})")
@@ -241,8 +232,22 @@ class ModelConfig:
 # fields that left the core (docs/architecture.md, "What left the core"): their defaults, which old configs and
 # checkpoints hold and which are dropped on reading; set otherwise they are refused, or turned into their extension
 REMOVED = {"loop_scale": "none", "layerscale_init": 0.1, "sandwich_norm": False, "grad_window": None,
-           "forget_gate": False, "forget_gate_bias": 4.0, "start_noise": 1.0}
+           "forget_gate": False, "forget_gate_bias": 4.0, "start_noise": 1.0,
+           "solver": "unroll", "solver_tol": 1e-3, "solver_max_iter": 0, "solver_backward": "bptt"}
 BEFORE_SPLIT = "before-core-split"   # the code's tag before they left: runs that used them run from there
+BEFORE_FIXED_POINT = "before-fixed-point-exit"   # ... for the fixed-point mode's fields (solver*: it trained one task
+                                                  # of four, studies/transfer)
+LEFT_AT = {key: BEFORE_FIXED_POINT if key.startswith("solver") else BEFORE_SPLIT for key in REMOVED}
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Whether a removed field's value is its default (a float default also as text: YAML reads `1e-3` as text)."""
+    if isinstance(default, float) and isinstance(value, (str, int)) and not isinstance(value, bool):
+        try:
+            return float(value) == default
+        except ValueError:
+            return False
+    return value == default
 
 
 def migrate(data: dict) -> dict:
@@ -260,9 +265,9 @@ def migrate(data: dict) -> dict:
         data["start_state"] = "input"
         ext["noise_start"] = {"sigma": sigma}
     for key, default in REMOVED.items():
-        if key in data and data.pop(key) != default:
+        if key in data and not _same(data.pop(key), default):
             raise ValueError(f"model.{key} has left loopformer (its study found it did not help); runs that used it "
-                             f"run from the tag {BEFORE_SPLIT}")
+                             f"run from the tag {LEFT_AT[key]}")
     if ext:
         data["extensions"] = ext
     return data

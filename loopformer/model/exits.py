@@ -22,7 +22,6 @@ import torch
 
 from loopformer.errors import UserError
 from loopformer.model.cache import KVCache, RunningKV
-from loopformer.model.fixedpoint import require_unroll
 from loopformer.model.halting import HaltRule, criterion_holds, stops, update_streak
 from loopformer.model.options import LoopOptions, LoopOutput
 
@@ -65,7 +64,6 @@ def halting_forward(model: torch.nn.Module, x: torch.Tensor, halt: HaltRule | st
     row's criterion is taken over (default: every real token), `opts.per_token` (default: causal models).
     Returns `exit_loops` [B] (per token [B,T]); `loops` is the most loops any row ran."""
     cfg = model.config
-    require_unroll(cfg, "halting (adaptive depth)")
     rule = HaltRule.parse(halt) if isinstance(halt, str) else halt
     per_token = cfg.causal if opts.per_token is None else opts.per_token
     if per_token and not cfg.causal:

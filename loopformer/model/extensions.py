@@ -12,7 +12,7 @@ any installed package can list its own). The core calls three hooks, each doing 
     start(e, h0, training)     the state the first loop starts from, given the core's h0 (None: the read-in e
                                itself): a tensor [B,T,D] has e injected before the first loop too
     after_loop(h, out, t)      the state after loop t from the state before it, h, and the block's output, out
-                               (`LoopedTransformer.step`: forward, the exits and the fixed-point mode alike)
+                               (`LoopedTransformer.step`: forward and the exits alike)
     branch_out(cfg, **opts)    (a classmethod) a module each residual branch's output passes before it is added,
                                one per branch and layer, or None
 

@@ -3,9 +3,7 @@ forward pass of `LoopedTransformer(cfg)` spends on one sequence, so runs of diff
 compared at their cost.
 
 Layer applications (`layer_applications`):   k · R
-    k = n_layers, R = the block's applications per answer: loops × supervision_steps (the standard model: L · 1);
-    in the fixed-point mode (`solver` ≠ "unroll") the solve's bound, solver_max_iter (0: loops), plus phantom's
-    extra steps: a solve that meets its tolerance stops earlier, so there it is an upper bound.
+    k = n_layers, R = the block's applications per answer: loops × supervision_steps (the standard model: L · 1).
 
 FLOPs per answer (`forward_flops`), one sequence of T tokens, a multiply-add counted as 2 FLOPs (the convention of
 `torch.utils.flop_counter`), D = d_model, I = n_heads · head_dim, F = the MLP width, C = the read-out's outputs,
@@ -35,18 +33,13 @@ cache); a training step's backward costs about twice as much again.
 from __future__ import annotations
 
 from loopformer.model.config import ModelConfig
-from loopformer.model.fixedpoint import Backward
 
 TERMS = ("attention projections", "attention scores/values", "MLP", "read-in", "read-out", "timestep")
 
 
 def block_loops(cfg: ModelConfig) -> int:
-    """R: the block's applications per answer — loops × supervision_steps; under a fixed-point solver its bound
-    (solver_max_iter, 0: loops) plus phantom's extra steps."""
-    if cfg.solver == "unroll":
-        return cfg.total_loops
-    back = Backward.parse(cfg.solver_backward)
-    return (cfg.solver_max_iter or cfg.loops) + (back.steps if back.kind == "phantom" else 0)
+    """R: the block's applications per answer — loops × supervision_steps."""
+    return cfg.total_loops
 
 
 def layer_applications(cfg: ModelConfig) -> int:

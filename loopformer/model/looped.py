@@ -6,12 +6,10 @@
     injection     the read-in embedding e is added to the hidden state before every loop after the first
     carried state forward(x, opts=LoopOptions(state=h)) starts the loops from a given hidden state h (+ e with
                   injection) instead of e: one supervision step of deep supervision (`loopformer.model.recursion`)
-    the step      `step`: h <- TF(h + e, t), written once — forward, the exits and the fixed-point mode call it
+    the step      `step`: h <- TF(h + e, t), written once — forward and the exits call it
     stabilisers   the start state and state noise in training (`loopformer.model.stability`): off by default
     extensions    experiments on the loop (`loopformer.model.extensions`: a start state, a change of the state after
                   each loop, a module on the branches' outputs), named in `ModelConfig.extensions`: none by default
-    fixed point   solver="anderson" | "broyden": h* = TF(h* + e, r − 1) solved instead of unrolled, with an implicit or
-                  phantom gradient (`loopformer.model.fixedpoint`): off by default
     budgets       timestep_time="normalized": the block reads the time t / R of a run of R loops and its step 1 / R
                   (a budget-aware model); LoopOptions(row_loops=[B]) runs every row with a loop count of its own
     exits         forward(x, halt="kl:1e-3"): every row (or token) loops until a halting rule says it is done
@@ -27,7 +25,6 @@ Annotations here are evaluated (no `from __future__ import annotations`): the Hu
 `config: ModelConfig` from `__init__` to rebuild the config from a checkpoint's config.json in `from_pretrained`.
 """
 
-from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -41,7 +38,6 @@ from loopformer.model.config import ModelConfig
 from loopformer.model.exits import halting_forward
 from loopformer.model.extensions import build as build_extensions
 from loopformer.model.extensions import changes_state
-from loopformer.model.fixedpoint import fixed_point, require_unroll
 from loopformer.model.halting import ExitGate, HaltRule
 from loopformer.model.heads import Embed, Head
 from loopformer.model.layers import (
@@ -136,7 +132,6 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         cfg = self.config
         if not cfg.causal:
             raise UserError("a key/value cache needs a causal model")
-        require_unroll(cfg, "a key/value cache")
         p = next(self.parameters())
         cache = KVCache((loops or cfg.loops) * cfg.n_layers, batch_size, cfg.n_heads, max_len or cfg.max_len,
                         cfg.hd, p.dtype, p.device)
@@ -240,11 +235,6 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
                 raise UserError("halting runs from the read-in: state and loop_offset cannot be combined with it")
             return halting_forward(self, x, halt, loops, attn_mask, positions, cache, opts)
         run = self.begin(x, loops, attn_mask, positions, cache, opts)                 # R, e [B,T,D], mask
-        if self.config.solver != "unroll":           # the fixed-point mode: h* = TF(h* + e, r − 1), not unrolled
-            h, states, solved = fixed_point(self, run.e, run.mask, opts.state, run.loops, return_all, run.rows,
-                                            run.rope)
-            return replace(self.read_out(h, states, attn_mask, solved.iters, opts.read_at, opts.read_loops),
-                           solve=solved)
         h, states = run.h0, []                                                         # [B,T,D]
         for t in range(run.loops):                  # ---- the loop (Eq. 3):  h <- TF(h + e, t),  [B,T,D] ----
             with torch.set_grad_enabled(run.grad and t >= run.grad_from):    # a no-grad prefix: truncated backprop
@@ -271,7 +261,7 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         first loop from the read-in itself; past r with `timestep_past="own"` β ⊙ e), the block's k layers at loop
         t (modulations `mods_t`, [k,4,D] or prepared; cache slot `slot`, default t), then the extensions' change of
         the state (`LoopExtension.after_loop`; none: the block's output). Every path that runs the block calls this:
-        `forward`, the exits, the fixed-point mode.
+        `forward` and the exits.
         h, e: [B,T,D] -> [B,T,D] ([N,D] with `at`, the flattened positions the last layer computes)."""
         x = h if e is None else h + self.injection(e, t)                                # input injection
         out = self.block(x, mods_t, mask, cache, t if slot is None else slot, at, rope)   # TF(x, t)
@@ -313,8 +303,6 @@ class LoopedTransformer(nn.Module, PyTorchModelHubMixin):   # the mixin: from_pr
         if opts is None:
             return run
         run.rows = None if opts.row_loops is None else self._check_rows(x, opts.row_loops, R, cache)   # [B]
-        if cfg.solver != "unroll":
-            return run
         run.mods = self.loop_modulations(R, x.device, cache, opts.loop_offset,         # [R,k,4,D] | None
                                          run.rows if run.rows is not None and opts.budget is None else opts.budget,
                                          prepared=True)

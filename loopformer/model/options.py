@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from loopformer.model.fixedpoint import SolveInfo
-
 
 @dataclass(frozen=True)
 class LoopOptions:
@@ -78,4 +76,3 @@ class LoopOutput:
     exit_loops: torch.Tensor | None = None       # with a halting rule: the loop each row [B] (per token: [B,T])
                                                     # stopped after, 1..R
     all_stop_logits: torch.Tensor | None = None  # [R,B,T] ... after every loop (with return_all)
-    solve: SolveInfo | None = None               # the fixed-point mode: iterations and residual of the solve

@@ -543,8 +543,8 @@ class RunConfig:
             _need(not loops.samples_budgets and loops.start == 0 and not loops.start_at_steps,
                   f"model.loop_rule={m.loop_rule} sets every row's loops from its size: it excludes train.loops.sample "
                   "and the loop curriculum (random loops on top of the rule: train.loops.jitter)")
-            _need(m.supervision_steps == 1 and m.solver == "unroll",
-                  "model.loop_rule runs each row its own loops: it needs supervision_steps = 1 and solver=unroll")
+            _need(m.supervision_steps == 1,
+                  "model.loop_rule runs each row its own loops: it needs supervision_steps = 1")
             _need(loss.fixed_point == 0 and not gate_loss,
                   "model.loop_rule scores each row after its own loops: train.losses.fixed_point and an exit gate's "
                   "loss are not available with it")

@@ -44,7 +44,6 @@ from loopformer.errors import UserError
 from loopformer.eval.lengths import plan_lengths
 from loopformer.eval.run import check_eval_config, evaluate_all
 from loopformer.model.diagnostics import grad_norms, loop_dynamics, modulation_stats, state_grad_norms, summarize_settle
-from loopformer.model.fixedpoint import solve_record
 from loopformer.model.io import check_init_from, load_training_state, load_weights, save_checkpoint
 from loopformer.model.lengths import LoopRule, check_covers, jitter
 from loopformer.model.looped import LoopedTransformer, LoopOutput, unwrap
@@ -166,8 +165,6 @@ def compiles(cfg: RunConfig, device: torch.device, total: int) -> bool:
     COMPILE_MIN_STEPS steps run compiled — every step when the block is compiled (`step_scope`), else the steps at
     the final loop count (after any loop curriculum; none with drawn budgets) — on a CUDA device with Triton or on a
     CPU with a C++ compiler (what torch.compile's code generation needs)."""
-    if cfg.model.solver != "unroll":         # the fixed-point mode stops on data and solves inside its backward
-        return False
     mode = cfg.train.system.compile
     if mode != "auto":
         return mode == "true"
@@ -701,7 +698,6 @@ class Trainer:
                "train_time": self.train_time}
         if self.data.classifies:
             rec["accuracy"] = correct / max(count, 1.0)
-        rec.update(solve_record(self.model))    # the fixed-point mode: the window's last solve (iterations, residual)
         if self.spikes is not None:
             rec["skipped_steps"] = self.spikes.skipped         # the run's total so far
         if self.rollback is not None and "accuracy" in rec and \

@@ -12,8 +12,8 @@
 #   TAG=state-norm EXTRA="model.extensions.state_norm={}" bash studies/transfer/transfer_study.sh screen circuit
 #                                                              # a candidate recipe on the screen settings
 #   ONLY=w10-cs1-r32 SEEDS=1 VARIANTS=true ...                 # ... on some settings, seeds and variants only
-#   bash studies/transfer/transfer_study.sh fixedpoint         # the fixed-point mode with a normalised state against
-#                                                              #   the unrolled loop (pointer chasing, 8 symbols 4 hops)
+#   (the fixed-point mode's stage, `fixedpoint`, is in this script at the tag before-fixed-point-exit, where the
+#    mode is still in the core: README.md, "The fixed-point mode with a normalised state")
 #   bash studies/transfer/transfer_study.sh plateau            # pointer chasing, 32 symbols 10 hops, the loop count
 #                                                              #   fixed: is the first hop ever learned? (probes)
 #   bash studies/transfer/transfer_study.sh collect            # one record per finished cell into
@@ -83,37 +83,6 @@ case "$stage" in
   heldout) mapfile -t specs < <(settings heldout "${2:?task: circuit or pointer}"); run "heldout$tag" "${specs[@]}" ;;
   screen) [ -n "${TAG:-}" ] && [ -n "${EXTRA:-}" ] || { echo "screen needs TAG and EXTRA" >&2; exit 2; }
     mapfile -t specs < <(settings screen "${2:?task: circuit or pointer}"); run "screen$tag" "${specs[@]}" ;;
-  fixedpoint)   # read at the end only (a solver has no per-loop read-outs in training), r = 8, the state normalised
-                # in every arm; FP_TASK pointer (8 symbols, 4 hops), circuit (width 8, 8 layers, the circuit recipe
-                # without its state noise and selection, which a solver refuses or which need per-loop scores) or
-                # sudoku (the Sudoku recipe as one step of r = 8 loops) or lcs (the demo's task);
-                # FP_STEPS steps (default 2,000); a finished run is left as it is
-    case "${FP_TASK:-pointer}" in
-      pointer) FP=(configs/cpu/pointer.yaml task.options.symbols=8 task.options.hops=4 train.loops.start=0
-                   train.loops.hold=0); pre="" ;;
-      circuit) FP=(configs/cpu/schedule.yaml task.options.width=8 task.options.layers=8 model.state_noise=0
-                   train.select.skip_spikes=0 train.select.keep_best=false task.n_val=0 train.eval_every=0); pre=circuit- ;;
-      sudoku) FP=(configs/cpu/sudoku-recipe.yaml model.supervision_steps=1 model.exit_gate=false eval.votes=0
-                  train.eval_every=0); pre=sudoku- ;;   # 25 blanks; one step of r loops, no halting head, no votes
-      lcs) FP=(configs/cpu/demo.yaml); pre=lcs- ;;   # the demo's LCS of two 6-letter strings: the DP table is
-                                                     # the fixed point of its anti-diagonal update
-      *) echo "unknown FP_TASK: $FP_TASK (pointer, circuit, sudoku, lcs)" >&2; exit 2 ;;
-    esac
-    FP+=(model.loops=8 task.loop_targets=false train.losses.loops=last "train.steps=${FP_STEPS:-2000}"
-         eval.max_loops=32 eval.drift=false "model.extensions.state_norm={}" threads=1)
-    for arm in ${FP_ARMS:-unroll anderson}; do   # phantom: Anderson's solve, the phantom gradient (5 damped steps)
-      out="$STUDY/fixedpoint/$pre$arm-${FP_STEPS:-2000}"
-      [ -f "$out/results.json" ] && continue
-      case "$arm" in
-        unroll) solve=() ;;
-        anderson) solve=(model.solver=anderson model.solver_backward=implicit model.solver_max_iter=32) ;;
-        phantom) solve=(model.solver=anderson model.solver_backward=phantom:5:0.5 model.solver_max_iter=32) ;;
-        *) echo "unknown arm: $arm (unroll, anderson, phantom)" >&2; exit 2 ;;
-      esac
-      resume=(); [ -d "$out/checkpoint" ] && resume=(--resume "$out")
-      if [ ${#resume[@]} -gt 0 ]; then "$LF" train "${resume[@]}" --quiet
-      else "$LF" train "${FP[@]}" "${solve[@]}" "out_dir=$out" --quiet; fi
-    done ;;
   plateau)    # the failing pointer cells never learn the first hop: the same setting (32 symbols, 10 hops) with the
               # loop count fixed (no curriculum, no draws), 2,000 steps, seed 0, one probe a line; finished ones kept
     PROBES=("base" "lr4e-3 train.optim.lr=4e-3" "state-norm model.extensions.state_norm={}"
