@@ -72,25 +72,34 @@ def pct(v) -> str:
     return "—" if v is None else f"{100 * v:.1f}"
 
 
-def table(rows: list[dict]) -> str:
-    out = ["| stage | task | variant | cells | ≥ 95 % at r | median at r | worst at r | ≥ 95 % at r and 4r "
+def shares(rows: list[dict], by: str) -> list[str]:
+    """One line per (stage, `by`, variant): the share of its cells at >= 95 % at r, the median and the worst at r,
+    the share at >= 95 % at r and 4r, the share that lost a learned task for more than 100 steps."""
+    out = [f"| stage | {by} | variant | cells | ≥ 95 % at r | median at r | worst at r | ≥ 95 % at r and 4r "
            "| lost > 100 steps |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     groups: dict[tuple, list[dict]] = {}
     for c in rows:
-        groups.setdefault((c["stage"], c["task"], c["variant"]), []).append(c)
-    for (stage, task, variant), cs in sorted(groups.items()):
+        groups.setdefault((c["stage"], c[by], c["variant"]), []).append(c)
+    for (stage, key, variant), cs in sorted(groups.items()):
         at_r = [c["r"] for c in cs]
         ok = sum(v >= 0.95 for v in at_r)
         settle = sum(c["r"] >= 0.95 and (c["4r"] or 0) >= 0.95 for c in cs)   # learned, and held to 4r
         lost = sum((c["lost_steps"] or 0) > 100 for c in cs)
-        out.append(f"| {stage} | {task} | {variant} | {len(cs)} | {ok}/{len(cs)} | {pct(statistics.median(at_r))} | "
+        out.append(f"| {stage} | {key} | {variant} | {len(cs)} | {ok}/{len(cs)} | {pct(statistics.median(at_r))} | "
                    f"{pct(min(at_r))} | {settle}/{len(cs)} | {lost}/{len(cs)} |")
-    out += ["", "Every cell (exact match, %):", "",
-            "| stage | setting | variant | seed | r | 2r | 4r | verdict | lost steps | minutes |",
-            "|---|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    out = shares(rows, "task")
+    out += ["", "By setting (seeds pooled):", "", *shares(rows, "setting")]
+    out += ["", "Every cell (exact match, %; rollbacks: the collapse guard's, — without it):", "",
+            "| stage | setting | variant | seed | r | 2r | 4r | verdict | lost steps | rollbacks | minutes |",
+            "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for c in rows:
+        rb = "—" if c.get("rollbacks") is None else c["rollbacks"]
         out.append(f"| {c['stage']} | {c['setting']} | {c['variant']} | {c['seed']} | {pct(c['r'])} | {pct(c['2r'])} | "
-                   f"{pct(c['4r'])} | {c['verdict']} | {c['lost_steps']} | {c['train_time_s'] / 60:.0f} |")
+                   f"{pct(c['4r'])} | {c['verdict']} | {c['lost_steps']} | {rb} | {c['train_time_s'] / 60:.0f} |")
     return "\n".join(out) + "\n"
 
 
