@@ -25,7 +25,6 @@ Annotations here are evaluated (no `from __future__ import annotations`): the Hu
 `config: ModelConfig` from `__init__` to rebuild the config from a checkpoint's config.json in `from_pretrained`.
 """
 
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
