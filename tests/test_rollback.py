@@ -44,8 +44,9 @@ def test_patience_counts_windows_in_a_row():
     assert g.update(0.1, 5, _capture(5)) and g.count == 1
 
 
-def test_a_window_at_another_loop_count_drops_the_snapshot_instead_of_rolling_back():
-    """The curriculum raised the count: the fall is the new depth, not a collapse of what the snapshot learned."""
+def test_a_count_rise_from_a_good_window_drops_the_snapshot_and_one_during_a_fall_keeps_it():
+    """The curriculum raised the count right after a good window: the fall is the new depth, not a collapse of what
+    the snapshot learned. Raised while the accuracy was already falling at the snapshot's count: a collapse."""
     g = RollbackGuard(below=0.5, learned=0.95, max_rollbacks=3)
     assert not g.update(0.96, 10, _capture(10), loops=8) and g.snapshot["loops"] == 8
     assert not g.update(0.4, 20, _capture(20), loops=12) and g.snapshot is None and g.count == 0
@@ -53,6 +54,16 @@ def test_a_window_at_another_loop_count_drops_the_snapshot_instead_of_rolling_ba
     assert not g.update(0.97, 40, _capture(40), loops=12) and g.snapshot["loops"] == 12
     assert g.update(0.1, 50, _capture(50), loops=12) and g.snapshot["step"] == 40 and g.count == 1
     assert g.snapshot["model"]["w"].item() == 40 and g.lr_scale == 0.5
+    fall = RollbackGuard(below=0.5, learned=0.95)   # the count rises while a fall is under way: the task is lost
+    assert not fall.update(1.0, 10, _capture(10), loops=42) and fall.snapshot["step"] == 10
+    assert not fall.update(0.73, 20, _capture(20), loops=42)                 # falling at the snapshot's count
+    assert fall.update(0.03, 30, _capture(30), loops=46) and fall.snapshot["step"] == 10 and fall.count == 1
+    assert fall.snapshot["loops"] == 46                                      # it stands for the new count now
+    slow = RollbackGuard(below=0.5, learned=0.95)
+    slow.update(1.0, 10, _capture(10), loops=8)
+    slow.update(0.8, 20, _capture(20), loops=8)
+    assert not slow.update(0.6, 30, _capture(30), loops=12) and slow.snapshot["step"] == 10
+    assert slow.update(0.2, 40, _capture(40), loops=12) and slow.count == 1  # still the fall: back to step 10
     old = RollbackGuard(below=0.5)                 # a checkpoint's snapshot from before the count was kept
     old.snapshot = {"step": 5, "model": {"w": torch.zeros(1)}}
     assert old.update(0.1, 6, _capture(6), loops=16) and old.count == 1

@@ -13,10 +13,12 @@ record's accuracy over `train.log_every` steps):
                       (the schedule's rate times c from then on), and the event is logged ("rollback" record)
 
 A snapshot belongs to the loop count it was learned at: the loop curriculum's count of the window (`loops`, the
-model's loops once the curriculum is over, drawn budgets or not). A window trained at another count than the
-snapshot's is never a collapse of it: the curriculum has just raised the count, so the fall is the new depth not yet
-learned, which the snapshot's weights cannot undo (they were trained at fewer loops, and rolled back the run would meet
-the same count again). Such a window drops the snapshot; the next good window at the new count takes a new one.
+model's loops once the curriculum is over, drawn budgets or not). When the count rises right after a good window,
+a fall at the new count is the new depth not yet learned, which the snapshot's weights cannot undo (they were
+trained at fewer loops, and rolled back the run would meet the same count again): the snapshot is dropped, and the
+next good window at the new count takes a new one. When the count rises while a fall is under way (a window below
+`learned` after the snapshot, at its count), the fall is the snapshot's task being lost: the snapshot stands for the
+new count, and a collapse there rolls back to it.
 
 The data stream is not rewound: the steps after a rollback draw new batches, so the run does not replay the
 batches that preceded the collapse. At most `max_rollbacks` rollbacks (after that, a collapse stays); with
@@ -66,7 +68,8 @@ class RollbackGuard:
         self.count = 0             # rollbacks so far
         self.low = 0               # windows in a row below `below` since the last good one
         self.snapshot: dict | None = None   # {"step", "loops", "model", "optimizer", "ema", "spikes"}: the last good
-                                            # state and the training loop count it was learned at
+                                            # state and the training loop count it stands for
+        self.last_step: int | None = None   # the step the last window ended at
 
     def update(self, accuracy: float, step: int, capture, loops: int | None = None) -> bool:
         """Take window accuracy `accuracy` ending at `step`, trained at the curriculum's loop count `loops` (None:
@@ -74,8 +77,12 @@ class RollbackGuard:
         `self.snapshot`)."""
         if not math.isfinite(accuracy):
             accuracy = 0.0
+        previous, self.last_step = self.last_step, int(step)
         if self.snapshot is not None and self.snapshot.get("loops", loops) != loops:
-            self.snapshot, self.low = None, 0       # learned at another count: not this window's task
+            if self.snapshot["step"] == previous:   # the count rose from a good window: a new task
+                self.snapshot, self.low = None, 0
+            else:                                    # ... during a fall: the snapshot's task is being lost
+                self.snapshot["loops"] = loops
         if accuracy >= self.learned:
             self.snapshot = {"step": int(step), "loops": loops, **_cpu(capture())}
             self.low = 0
@@ -92,7 +99,8 @@ class RollbackGuard:
         return True
 
     def state_dict(self) -> dict:
-        return {"lr_scale": self.lr_scale, "count": self.count, "low": self.low, "snapshot": self.snapshot}
+        return {"lr_scale": self.lr_scale, "count": self.count, "low": self.low, "snapshot": self.snapshot,
+                "last_step": self.last_step}
 
     def load_state_dict(self, state: Any) -> None:
         """The guard's state from a checkpoint's training state; anything but its own record is one line."""
@@ -103,9 +111,12 @@ class RollbackGuard:
                                       and (snap.get("loops") is None or isinstance(snap["loops"], int))
                                       and isinstance(snap.get("model"), dict)
                                       and all(isinstance(v, torch.Tensor) for v in snap["model"].values())))
+        last = state.get("last_step") if isinstance(state, dict) else None
+        ok = ok and (last is None or isinstance(last, int))
         if not ok:
             raise UserError("cannot resume: the checkpoint's rollback record (train.select.rollback) is damaged")
         self.lr_scale, self.count, self.low, self.snapshot = state["lr_scale"], state["count"], state["low"], snap
+        self.last_step = last
 
 
 __all__ = ["RollbackGuard"]

@@ -1,16 +1,16 @@
-"""Replay a stage's training curves through the collapse guard (`loopformer.train.rollback.RollbackGuard`): which
-runs would the guard with its snapshot kept per loop count decide exactly as the guard without it did?
+"""Replay a stage's training curves through the collapse guard (`loopformer.train.rollback.RollbackGuard`) as this
+code has it: which runs would it decide exactly as the guard they ran with did?
 
-    python studies/transfer/guard_replay.py sweeps/transfer/screen-r1 [--copy-to sweeps/transfer/screen-r2]
+    python studies/transfer/guard_replay.py sweeps/transfer/screen-r1 [--copy-to sweeps/transfer/screen-r3]
 
 A run's training is a function of the guard's decisions alone (the guard reads the log windows' accuracies and
-changes nothing else: no random draw, no data order), so a run whose rollbacks both rules decide at the same steps
-is, step for step, the run the other rule would have trained. For every finished run under STAGE/<setting>/runs/
-the windows of its "train" records are fed to both guards (`train.select.rollback` and `rollback_learned` from
-its config; the window's loop count: the curriculum's count the record logs until the count first reaches
-model.loops, model.loops from then on) and the replay without counts is checked against the "rollback" records
-the run wrote. Prints one line per run; --copy-to copies (results.json, metrics.jsonl, run.json, config.yaml; no
-checkpoint) the runs whose decisions coincide into the other stage, where no run of that name is yet.
+changes nothing else: no random draw, no data order), so a run whose rollbacks this guard decides at the same steps
+is, step for step, the run this code trains. For every finished run under STAGE/<setting>/runs/ the windows of its
+"train" records are fed to the guard (`train.select.rollback` and `rollback_learned` from its config; the window's
+loop count: the curriculum's count the record logs until the count first reaches model.loops, model.loops from
+then on) and its decisions compared with the "rollback" records the run wrote. Prints one line per run; --copy-to
+copies (results.json, metrics.jsonl, run.json, config.yaml; no checkpoint) the runs decided alike into the other
+stage, where no run of that name is yet.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ FILES = ("results.json", "metrics.jsonl", "run.json", "config.yaml")
 
 
 def replay(run: Path) -> dict:
-    """{"logged", "without_count", "per_count"}: the steps of the logged rollbacks and of both replays."""
+    """{"logged", "now"}: the steps of the run's rollbacks and of this guard's."""
     cfg = json.loads((run / "run.json").read_text())["config"]
     sel, final = cfg["train"]["select"], cfg["model"]["loops"]
-    plain, per_count = RollbackGuard(sel["rollback"], sel["rollback_learned"]), \
-        RollbackGuard(sel["rollback"], sel["rollback_learned"])
-    out: dict[str, list[int]] = {"logged": [], "without_count": [], "per_count": []}
+    guard = RollbackGuard(sel["rollback"], sel["rollback_learned"])
+    out: dict[str, list[int]] = {"logged": [], "now": []}
     reached = False
     for line in (run / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -40,11 +39,8 @@ def replay(run: Path) -> dict:
         if rec.get("split") != "train" or rec.get("accuracy") is None:
             continue
         reached = reached or rec["loops"] >= final
-        count = final if reached else rec["loops"]
-        if plain.update(rec["accuracy"], rec["step"], dict):
-            out["without_count"].append(rec["step"])
-        if per_count.update(rec["accuracy"], rec["step"], dict, loops=count):
-            out["per_count"].append(rec["step"])
+        if guard.update(rec["accuracy"], rec["step"], dict, loops=final if reached else rec["loops"]):
+            out["now"].append(rec["step"])
     return out
 
 
@@ -56,12 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     for run in sorted(args.stage.glob("*/runs/*/results.json")):
         run = run.parent
         r = replay(run)
-        if r["logged"] != r["without_count"]:
-            verdict = "the log's rollbacks differ from the replay: not judged"
-        else:
-            verdict = "same decisions" if r["per_count"] == r["without_count"] else "different decisions"
+        verdict = "same decisions" if r["now"] == r["logged"] else "different decisions"
         name = f"{run.parent.parent.name}/{run.name}"
-        print(f"{name}: logged {r['logged']}, per-count guard {r['per_count']}: {verdict}")
+        print(f"{name}: logged {r['logged']}, this guard {r['now']}: {verdict}")
         if args.copy_to and verdict == "same decisions":
             dest = args.copy_to / run.parent.parent.name / "runs" / run.name
             if dest.exists():
