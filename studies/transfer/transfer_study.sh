@@ -49,7 +49,7 @@ POINTER=(
 )
 POINTER_HELDOUT=(
   "s28-h12-r32|pointer|task.options.symbols=28 task.options.hops=12 model.loops=32"
-  "s16-h18-r48|pointer|task.options.symbols=16 task.options.hops=18 model.loops=48"
+  "s22-h18-r48|pointer|task.options.symbols=22 task.options.hops=18 model.loops=48"   # (16 / 18: hops < symbols)
 )
 
 # run STAGE SETTING...: each setting's sweep, looped and TMLT over $SEEDS, evaluated after every loop up to 4r
