@@ -216,9 +216,10 @@ class SelectConfig:
     spike_window: int = 100           # steps the running mean of log gradient norms spans
     rollback: float = 0.0             # > 0: once a log window's training accuracy has reached rollback_learned, a
                                       # window below this puts back the last good window's weights and optimiser
-                                      # state with the learning rate halved, at most 3 times; a window at another
-                                      # curriculum count than the good one's is not a collapse (a candidate of the
-                                      # transfer study: loopformer.train.rollback; "rollback" records); 0: off
+                                      # state with the learning rate halved, at most 3 times; the fall after a
+                                      # rise of the loop curriculum's count right after a good window is not a
+                                      # collapse (a candidate of the transfer study: loopformer.train.rollback;
+                                      # "rollback" records); 0: off
     rollback_learned: float = 0.95    # the window accuracy that counts as learned (its weights: the snapshot)
 
     def __post_init__(self) -> None:
