@@ -37,21 +37,16 @@ from loopformer.model.config import ModelConfig
 TERMS = ("attention projections", "attention scores/values", "MLP", "read-in", "read-out", "timestep")
 
 
-def block_loops(cfg: ModelConfig) -> int:
-    """R: the block's applications per answer — loops × supervision_steps."""
-    return cfg.total_loops
-
-
 def layer_applications(cfg: ModelConfig) -> int:
     """Loops × layers per answer: n_layers · R (the standard model: its L layers once)."""
-    return cfg.n_layers * block_loops(cfg)
+    return cfg.n_layers * cfg.total_loops
 
 
 def flop_terms(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, int]:
     """FLOPs of one forward pass over one sequence of `seq_len` tokens (default max_len), per term of the module
     docstring (keys: TERMS)."""
     T = int(seq_len or cfg.max_len)
-    D, I, Fw, k, R, C = cfg.d_model, cfg.n_heads * cfg.hd, cfg.ffn, cfg.n_layers, block_loops(cfg), cfg.out_dim
+    D, I, Fw, k, R, C = cfg.d_model, cfg.n_heads * cfg.hd, cfg.ffn, cfg.n_layers, cfg.total_loops, cfg.out_dim
     embedders = 2 if cfg.timestep_time == "normalized" else 1
     return {
         "attention projections": k * R * 2 * T * (3 * D * I + I * D),
@@ -76,4 +71,4 @@ def format_flops(n: float) -> str:
     return f"{n:.3g} FLOPs"
 
 
-__all__ = ["TERMS", "block_loops", "layer_applications", "flop_terms", "forward_flops", "format_flops"]
+__all__ = ["TERMS", "layer_applications", "flop_terms", "forward_flops", "format_flops"]
