@@ -11,6 +11,14 @@ loop count: the curriculum's count the record logs until the count first reaches
 then on) and its decisions compared with the "rollback" records the run wrote. Prints one line per run; --copy-to
 copies (results.json, metrics.jsonl, run.json, config.yaml; no checkpoint) the runs decided alike into the other
 stage, where no run of that name is yet.
+
+    python studies/transfer/guard_replay.py sweeps/transfer/screen-state-norm --rollback 0.5 \
+        [--copy-to sweeps/transfer/screen-state-norm-guard]
+
+replays the runs of a stage trained without the guard under `train.select.rollback=0.5`: a run in which that guard
+never fires is, step for step, the run with it (the guard changes training only when it fires: the rate's scale
+stays 1.0), so the copies carry the guard's setting in their config and its count, 0, in results.json, and name
+their source (`replayed_from` in results.json); the runs in which it fires are the ones to train again.
 """
 
 from __future__ import annotations
@@ -20,17 +28,23 @@ import json
 import shutil
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from loopformer.train.rollback import RollbackGuard
 
 FILES = ("results.json", "metrics.jsonl", "run.json", "config.yaml")
 
 
-def replay(run: Path) -> dict:
-    """{"logged", "now"}: the steps of the run's rollbacks and of this guard's."""
+def replay(run: Path, rollback: float | None = None) -> dict:
+    """{"logged", "now"}: the steps of the run's rollbacks and of this guard's (at threshold `rollback`; None: the
+    run's own). No guard (a threshold of 0) never fires."""
     cfg = json.loads((run / "run.json").read_text())["config"]
     sel, final = cfg["train"]["select"], cfg["model"]["loops"]
-    guard = RollbackGuard(sel["rollback"], sel["rollback_learned"])
+    below = sel["rollback"] if rollback is None else rollback
     out: dict[str, list[int]] = {"logged": [], "now": []}
+    if not below:
+        return out
+    guard = RollbackGuard(below, sel.get("rollback_learned", 0.95))   # runs from before the field: its default
     reached = False
     for line in (run / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -48,10 +62,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stage", type=Path)
     ap.add_argument("--copy-to", type=Path)
+    ap.add_argument("--rollback", type=float, help="replay under this train.select.rollback (default: each run's)")
     args = ap.parse_args(argv)
+    if args.rollback is not None and not 0 < args.rollback <= 0.95:
+        ap.error(f"--rollback must lie in (0, 0.95] (got {args.rollback})")
     for run in sorted(args.stage.glob("*/runs/*/results.json")):
         run = run.parent
-        r = replay(run)
+        r = replay(run, args.rollback)
         verdict = "same decisions" if r["now"] == r["logged"] else "different decisions"
         name = f"{run.parent.parent.name}/{run.name}"
         print(f"{name}: logged {r['logged']}, this guard {r['now']}: {verdict}")
@@ -63,7 +80,24 @@ def main(argv: list[str] | None = None) -> None:
             for f in FILES:
                 if (run / f).is_file():
                     shutil.copy2(run / f, dest / f)
+            if args.rollback is not None:
+                with_guard(dest, args.rollback, run)
             print(f"  copied to {dest}")
+
+
+def with_guard(dest: Path, rollback: float, source: Path) -> None:
+    """A copied run that no guard fired in, as the run with the guard at `rollback`: its config's
+    train.select.rollback, its results' rollback count (0) and the run it was replayed from."""
+    info = json.loads((dest / "run.json").read_text())
+    info["config"]["train"]["select"]["rollback"] = rollback
+    (dest / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    res = json.loads((dest / "results.json").read_text())
+    res.update(rollbacks=0, replayed_from=str(source))
+    (dest / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+    if (dest / "config.yaml").is_file():
+        cfg = OmegaConf.load(dest / "config.yaml")
+        OmegaConf.update(cfg, "train.select.rollback", rollback)
+        OmegaConf.save(cfg, dest / "config.yaml")
 
 
 if __name__ == "__main__":
