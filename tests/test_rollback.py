@@ -214,3 +214,24 @@ def test_a_damaged_record_is_one_line_on_resume(tmp_path):
     cfg = load_for_resume(tmp_path / "run", ["train.steps=6"])
     with pytest.raises(UserError, match="rollback record .* is damaged"):
         train(cfg, resume=True)
+
+
+def test_a_rollback_puts_back_the_spike_guards_record(tmp_path, wipe_at, monkeypatch):
+    """With spike skipping on, the snapshot holds the spike guard's record, whose running mean of log g is negative
+    once the gradient norms are below 1 (here the guard sees every norm times 1e-3); the rollback loads it back."""
+    from loopformer.train.spikes import SpikeGuard
+
+    means, real = [], SpikeGuard.check
+
+    def check(self, norm):
+        skip = real(self, norm * 1e-3)
+        means.append(self.acc)
+        return skip
+
+    monkeypatch.setattr(SpikeGuard, "check", check)
+    wipe_at(5)
+    res = train(tiny(tmp_path, *ROLL, "train.select.skip_spikes=1000", "train.select.spike_window=10"))
+    recs = read_metrics(tmp_path / "run")
+    assert [(r["step"], r["to"]) for r in recs if r["split"] == "rollback"] == [(6, 5)]
+    assert max(means[:5]) < 0                                      # the record the snapshot holds
+    assert res["rollbacks"] == 1 and res["skipped_steps"] == 0

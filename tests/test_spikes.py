@@ -42,6 +42,22 @@ def test_the_guard_follows_the_hand_computation():
     assert h.state_dict() == state and h.threshold() == g.threshold()
 
 
+def test_a_guard_of_small_norms_round_trips():
+    """Norms below 1 (the common case late in training) make the running mean of log g negative; the checkpointed
+    record loads back as it was (a resume, and a rollback of the collapse guard, which puts it back too)."""
+    g = SpikeGuard(factor=20.0, window=100)
+    for n in [0.1, 0.2, 0.05] * 10:
+        g.check(n)
+    state = g.state_dict()
+    assert state["acc"] < 0
+    h = SpikeGuard(20.0, 100)
+    h.load_state_dict(state)
+    assert h.state_dict() == state and h.threshold() == g.threshold()
+    for bad in ({**state, "seen": -1}, {**state, "skipped": 1.5}, {**state, "acc": float("nan")}):
+        with pytest.raises(UserError, match="spike guard"):
+            SpikeGuard(20.0, 100).load_state_dict(bad)
+
+
 def test_a_lasting_rise_is_absorbed_not_skipped_forever():
     g = SpikeGuard(factor=4.0, window=20)
     for _ in range(50):

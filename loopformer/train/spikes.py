@@ -69,12 +69,13 @@ class SpikeGuard:
         return {"acc": self.acc, "seen": self.seen, "skipped": self.skipped}
 
     def load_state_dict(self, state: Any) -> None:
-        """The guard's state from a checkpoint's training state; anything but its own record (finite non-negative
-        numbers: the average, the steps seen and skipped) is a one-line UserError."""
+        """The guard's state from a checkpoint's training state; anything but its own record (finite numbers: the
+        running mean of log g, negative whenever the norms are below 1, and the steps seen and skipped, whole and
+        non-negative) is a one-line UserError."""
         ok = isinstance(state, dict) and all(
             isinstance(state.get(k), (int, float)) and not isinstance(state.get(k), bool)
-            and math.isfinite(state[k]) and state[k] >= 0 for k in ("acc", "seen", "skipped")) \
-            and all(float(state[k]).is_integer() for k in ("seen", "skipped"))
+            and math.isfinite(state[k]) for k in ("acc", "seen", "skipped")) \
+            and all(float(state[k]).is_integer() and state[k] >= 0 for k in ("seen", "skipped"))
         if not ok:
             raise UserError(f"the training state's spike guard (train.select.skip_spikes) is not its record: "
                             f"{str(state)[:80]}")
