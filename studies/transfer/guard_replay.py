@@ -30,6 +30,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from loopformer.fileio import write_json
 from loopformer.train.rollback import RollbackGuard
 
 FILES = ("results.json", "metrics.jsonl", "run.json", "config.yaml")
@@ -77,27 +78,29 @@ def main(argv: list[str] | None = None) -> None:
             if dest.exists():
                 continue
             dest.mkdir(parents=True)
+            rewritten = with_guard(run, dest, args.rollback) if args.rollback is not None else ()
             for f in FILES:
-                if (run / f).is_file():
+                if f not in rewritten and (run / f).is_file():
                     shutil.copy2(run / f, dest / f)
-            if args.rollback is not None:
-                with_guard(dest, args.rollback, run)
             print(f"  copied to {dest}")
 
 
-def with_guard(dest: Path, rollback: float, source: Path) -> None:
-    """A copied run that no guard fired in, as the run with the guard at `rollback`: its config's
-    train.select.rollback, its results' rollback count (0) and the run it was replayed from."""
-    info = json.loads((dest / "run.json").read_text())
+def with_guard(run: Path, dest: Path, rollback: float) -> tuple[str, ...]:
+    """Write into `dest` the run that no guard fired in as the run with the guard at `rollback`: its config's
+    train.select.rollback, its results' rollback count (0) and the run it was replayed from. Returns the files
+    written (the rest are copied as they are)."""
+    info = json.loads((run / "run.json").read_text())
     info["config"]["train"]["select"]["rollback"] = rollback
-    (dest / "run.json").write_text(json.dumps(info, indent=2) + "\n")
-    res = json.loads((dest / "results.json").read_text())
-    res.update(rollbacks=0, replayed_from=str(source))
-    (dest / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    if (dest / "config.yaml").is_file():
-        cfg = OmegaConf.load(dest / "config.yaml")
+    write_json(dest / "run.json", info)
+    res = json.loads((run / "results.json").read_text())
+    write_json(dest / "results.json", {**res, "rollbacks": 0, "replayed_from": str(run)})
+    written = ["run.json", "results.json"]
+    if (run / "config.yaml").is_file():
+        cfg = OmegaConf.load(run / "config.yaml")
         OmegaConf.update(cfg, "train.select.rollback", rollback)
         OmegaConf.save(cfg, dest / "config.yaml")
+        written.append("config.yaml")
+    return tuple(written)
 
 
 if __name__ == "__main__":
